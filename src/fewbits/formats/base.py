@@ -1,0 +1,140 @@
+"""The common interface of every number format.
+
+A format is pure data: a finite set of values (plus optional infinities and NaN) and a bit code
+for each. Everything else in fewbits — rounding, packing, quantization, memory — is derived from
+these descriptors. Subclasses: FloatFormat, IntFormat, LookupFormat.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from fractions import Fraction
+
+OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+
+
+class Format(ABC):
+    """A number format. Immutable and hashable; equal formats compare equal."""
+
+    name: str
+
+    # --- layout -----------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def bits(self) -> int:
+        """Storage bits of one value (without any shared scale)."""
+
+    @property
+    @abstractmethod
+    def signed(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def has_inf(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def has_nan(self) -> bool: ...
+
+    # --- the value set ---------------------------------------------------------------------
+    @abstractmethod
+    def decode_code(self, code: int) -> float:
+        """Exact value of one bit pattern (a Python float: every supported value fits float64)."""
+
+    @abstractmethod
+    def _finite_values_exact(self) -> list[Fraction]:
+        """All distinct finite values, ascending, as exact fractions (-0 and +0 count once)."""
+
+    @property
+    @abstractmethod
+    def max(self) -> float:
+        """Largest finite value."""
+
+    @property
+    @abstractmethod
+    def min_normal(self) -> float | None:
+        """Smallest positive normal value (for integers and codebooks: smallest positive value)."""
+
+    @property
+    @abstractmethod
+    def min_subnormal(self) -> float | None:
+        """Smallest positive subnormal value, or None if the format has no subnormals."""
+
+    @property
+    @abstractmethod
+    def eps(self) -> float | None:
+        """Gap between 1 and the next larger value (machine epsilon), None where 1 is absent."""
+
+    @property
+    def lowest(self) -> float:
+        """Most negative finite value (0 or the smallest value for unsigned formats)."""
+        return float(self._finite_values_exact()[0])
+
+    @property
+    def num_values(self) -> int:
+        """Number of distinct finite values (+0 and -0 count once)."""
+        return len(self._finite_values_exact())
+
+    def values(self):
+        """All finite values, ascending, as a float64 torch tensor (-0 and +0 appear once, as +0)."""
+        import torch  # formats needs torch only for this convenience
+
+        return torch.tensor([float(v) for v in self._finite_values_exact()], dtype=torch.float64)
+
+    @property
+    def decimal_digits(self) -> float | None:
+        """Decimal digits of precision: log10(2**(mantissa bits + 1)) for floats."""
+        return None
+
+    @property
+    def default_overflow(self) -> str:
+        """What an out-of-range value becomes by default: inf where the format has infinities,
+        otherwise the largest finite value (saturate). NaN on overflow is available on request."""
+        return "inf" if self.has_inf else "saturate"
+
+    def check_overflow(self, overflow: str | None) -> str:
+        """Resolve and validate an overflow policy for this format."""
+        if overflow is None:
+            return self.default_overflow
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(
+                f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
+            )
+        if overflow == "inf" and not self.has_inf:
+            raise ValueError(f"format {self.name} has no infinity: overflow='inf' is impossible; "
+                             f"use 'saturate'{' or nan' if self.has_nan else ''}")
+        if overflow == "nan" and not self.has_nan:
+            raise ValueError(f"format {self.name} has no NaN: overflow='nan' is impossible; "
+                             f"use 'saturate'{' or inf' if self.has_inf else ''}")
+        return overflow
+
+    # --- descriptive helpers ---------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return type(self).__name__.replace("Format", "").lower()
+
+    @property
+    def specials_description(self) -> str:
+        parts = []
+        if self.has_inf:
+            parts.append("inf")
+        if self.has_nan:
+            parts.append("NaN")
+        return "+".join(parts) if parts else "none"
+
+    def bytes_per_billion(self) -> float:
+        """Bytes needed to store 1e9 values (no scales)."""
+        return self.bits * 1e9 / 8
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def exact(x) -> Fraction:
+    """A finite Python number as an exact Fraction."""
+    if isinstance(x, Fraction):
+        return x
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise ValueError("not finite")
+    return Fraction(x)

@@ -1,0 +1,6 @@
+"""Fast vectorized kernels: rounding in every mode and overflow policy, encode/decode, packing."""
+from .compile import use_backend
+from .packing import pack, unpack
+from .rounding import code_dtype, decode, encode, round
+
+__all__ = ["round", "encode", "decode", "pack", "unpack", "code_dtype", "use_backend"]

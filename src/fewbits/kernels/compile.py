@@ -1,0 +1,67 @@
+"""When to run the fused (torch.compile) kernels and when plain eager torch ops.
+
+Compiling costs seconds once per process (less with inductor's on-disk cache) and then runs the
+rounding as one fused loop. Small inputs run eagerly. FEWBITS_COMPILE=0 turns compilation off,
+FEWBITS_COMPILE=always compiles whatever the size; `use_backend()` does the same in code.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+
+import torch
+
+COMPILE_MIN_NUMEL = 1 << 15
+_state = threading.local()
+_failed = False
+
+
+def _setting() -> str:
+    return getattr(_state, "backend", None) or os.environ.get("FEWBITS_COMPILE", "auto").lower()
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run fewbits kernels with backend 'auto' (default), 'eager' or 'compiled' inside the block."""
+    if name not in ("auto", "eager", "compiled"):
+        raise ValueError(f"unknown backend {name!r}; choose auto, eager or compiled")
+    old = getattr(_state, "backend", None)
+    _state.backend = {"compiled": "always", "eager": "0"}.get(name, "auto")
+    try:
+        yield
+    finally:
+        _state.backend = old
+
+
+def want_compiled(numel: int) -> bool:
+    setting = _setting()
+    if _failed or setting in ("0", "off", "false", "no", "eager"):
+        return False
+    if setting in ("always", "1", "on", "true", "yes", "compiled"):
+        return True
+    return numel >= COMPILE_MIN_NUMEL
+
+
+def compiled(fn):
+    """Wrap fn so that it runs compiled when wanted and falls back to eager if compiling fails."""
+    state = {"compiled": None}
+
+    def run(numel: int, *args, **kwargs):
+        global _failed
+        if want_compiled(numel):
+            if state["compiled"] is None:
+                state["compiled"] = torch.compile(fn, dynamic=True, fullgraph=True)
+            try:
+                return state["compiled"](*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
+                if _setting() in ("always",):
+                    raise
+                _failed = True
+                warnings.warn(f"fewbits: torch.compile failed ({type(exc).__name__}: {exc}); "
+                              "running eager kernels (slower, same results)", RuntimeWarning, stacklevel=3)
+        return fn(*args, **kwargs)
+
+    run.eager = fn
+    return run

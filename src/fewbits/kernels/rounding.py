@@ -1,0 +1,256 @@
+"""fb.round, fb.encode and fb.decode: the public entry points of the rounding kernels."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from ..formats import FloatFormat, IntFormat, LookupFormat, check_mode, get_format
+from . import floatround as fr
+from .lookupround import lookup_indices, round_lookup
+from .random import draw_seed
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# input handling
+# ---------------------------------------------------------------------------------------------
+def _to_torch(x, what="x"):
+    """(tensor, restore) where restore(tensor) gives the caller's type back (numpy in, numpy out)."""
+    if isinstance(x, torch.Tensor):
+        return x, lambda t: t
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes
+            t = torch.from_numpy(np.ascontiguousarray(x).view(np.uint16)).view(torch.bfloat16)
+            bf = x.dtype
+            return t.reshape(x.shape), lambda r: r.contiguous().view(torch.int16).numpy().view(bf)
+        if x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8):
+            arr = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+            return torch.from_numpy(arr), lambda r: r.numpy()
+        _reject_dtype(x.dtype, what)
+    raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def _reject_dtype(dtype, what):
+    raise TypeError(f"{what} has dtype {dtype}; fewbits rounds float16, bfloat16, float32 and float64 "
+                    "values (convert integers with .float(); complex values are not supported)")
+
+
+def _check_float(t: torch.Tensor, what="x"):
+    if t.dtype not in _FLOAT_DTYPES:
+        _reject_dtype(t.dtype, what)
+
+
+def _domain_for(fmt, dtype) -> fr.Domain | None:
+    """The integer domain to round in, or None when fmt holds every value of dtype (identity)."""
+    dom = fr.F64 if dtype == torch.float64 else fr.F32
+    if dom is fr.F32 and not fr.fits(fmt, fr.F32):
+        dom = fr.F64
+    if not fr.fits(fmt, dom):
+        raise NotImplementedError(f"{fmt.name}: its range or precision exceeds what float64 can compute")
+    return dom
+
+
+def _mode_seed(mode, generator):
+    check_mode(mode)
+    return draw_seed(generator) if mode == "stochastic" else (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# round
+# ---------------------------------------------------------------------------------------------
+def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
+          generator: torch.Generator | None = None, out=None):
+    """Round every element of x to the nearest value of `fmt` (see fewbits.formats.reference).
+
+    x: torch.Tensor or numpy.ndarray of float16/bfloat16/float32/float64, any shape or strides.
+    Returns the same type, shape and dtype (float16/bfloat16 are rounded exactly via float32, and
+    the result is cast back: a value the input dtype cannot hold is rounded again by that cast).
+    mode: nearest_even | nearest_away | toward_zero | up | down | stochastic.
+    overflow: saturate | inf | nan | None (the format's default: inf if it has inf, else saturate).
+    generator: torch.Generator for stochastic rounding (default: torch's global RNG).
+    out: a tensor of x's shape and dtype to write the result into (may be x itself).
+    """
+    fmt = get_format(fmt)
+    t, restore = _to_torch(x)
+    _check_float(t)
+    check_mode(mode)
+    overflow = fmt.check_overflow(overflow)
+    if out is not None:
+        out_t, _ = _to_torch(out, "out")
+        if out_t.shape != t.shape or out_t.dtype != t.dtype or out_t.device != t.device:
+            raise ValueError(f"out has shape {tuple(out_t.shape)}, dtype {out_t.dtype}, device {out_t.device}; "
+                             f"expected {tuple(t.shape)}, {t.dtype}, {t.device}")
+    seed = _mode_seed(mode, generator)
+    result = _round_tensor(t, fmt, mode, overflow, seed, out_t if out is not None else None)
+    return out if out is not None else restore(result)
+
+
+def _round_tensor(t, fmt, mode, overflow, seed, out=None):
+    if t.numel() == 0:
+        return out if out is not None else t.clone()
+    if isinstance(fmt, LookupFormat):
+        r = round_lookup(t, fmt, mode, seed)
+        if out is None:
+            return r
+        return out.copy_(r)
+    work_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    dom = _domain_for(fmt, work_dtype)
+    if fr.covers(fmt, fr.F64 if work_dtype == torch.float64 else fr.F32) and overflow == "inf":
+        return out.copy_(t) if out is not None else t.clone()
+    params = fr.float_params(fmt, dom, overflow, seed, device=t.device)
+    direct = (t.dtype == dom.dtype and t.is_contiguous()
+              and (out is None or (out.is_contiguous() and out.dtype == dom.dtype)))
+    if direct:
+        flat_out = out.view(-1) if out is not None else None
+        r = fr.round_flat(t.reshape(-1), params, mode, dom, flat_out)
+        return out if out is not None else r.view(t.shape)
+    xd = t.to(dom.dtype).contiguous().view(-1)
+    r = fr.round_flat(xd, params, mode, dom).view(t.shape)
+    if out is not None:
+        return out.copy_(r)
+    return r.to(t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode / decode
+# ---------------------------------------------------------------------------------------------
+def code_dtype(bits: int) -> torch.dtype:
+    """uint8 for codes of up to 8 bits, int32 up to 16, int64 beyond (64-bit codes as bit patterns)."""
+    return torch.uint8 if bits <= 8 else torch.int32 if bits <= 16 else torch.int64
+
+
+def encode(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
+           generator: torch.Generator | None = None):
+    """Round x to fmt and return the bit patterns (codes) of the results.
+
+    Codes are non-negative integers of dtype code_dtype(fmt.bits), same shape as x (numpy in,
+    numpy out). NaN into a format without NaN raises ValueError.
+    """
+    fmt = get_format(fmt)
+    t, restore = _to_torch(x)
+    _check_float(t)
+    overflow = fmt.check_overflow(overflow)
+    seed = _mode_seed(mode, generator)
+    if not fmt.has_nan and t.numel() and bool(torch.isnan(t).any()):
+        raise ValueError(f"x contains NaN, which has no code in {fmt.name} (a format without NaN)")
+    cd = code_dtype(fmt.bits)
+    if t.numel() == 0:
+        return restore(torch.empty(t.shape, dtype=cd, device=t.device))
+    if isinstance(fmt, LookupFormat):
+        return restore(lookup_indices(t, fmt, mode, seed).to(cd))
+    work_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    dom = _domain_for(fmt, work_dtype)
+    r = _round_tensor(t.to(dom.dtype), fmt, mode, overflow, seed)
+    if dom.dtype != r.dtype:
+        r = r.to(dom.dtype)
+    if isinstance(fmt, IntFormat):
+        codes = r.to(torch.int64) & ((1 << fmt.bits) - 1)
+        return restore(codes.to(cd))
+    return restore(_float_codes(r, fmt, dom).to(cd))
+
+
+def _float_codes(r: torch.Tensor, fmt: FloatFormat, dom: fr.Domain) -> torch.Tensor:
+    """Codes of values already representable in fmt (domain float tensor) -> int64."""
+    P, B = dom.P, dom.B
+    u = r.view(dom.itype).to(torch.int64)
+    neg = u < 0
+    a = u & ((1 << (dom.W - 1)) - 1)
+    E = a >> P
+    m = fmt.man_bits
+    emin_b = fmt.emin + B
+    sig = (a & ((1 << P) - 1)) | ((E > 0).to(torch.int64) << P)
+    e_eff = E.clamp(min=1)
+    normal = E >= emin_b
+    ef = torch.where(normal, E - (B - fmt.bias), 0)
+    shift_sub = (P - m + (emin_b - e_eff)).clamp(0, 63)
+    mf = torch.where(normal, (a & ((1 << P) - 1)) >> (P - m), sig >> shift_sub)
+    body = (ef << m) | mf
+    sbit = 1 << (fmt.exp_bits + m)
+    code = torch.where(neg & torch.tensor(fmt.signed), body | sbit, body)
+    inf_bits = dom.inf_bits
+    if fmt.has_inf:
+        code = torch.where(a == inf_bits, torch.where(neg, fmt.inf_code(True), fmt.inf_code(False)), code)
+    if fmt.has_nan:
+        nan_code = torch.where(neg, fmt.nan_code(True), fmt.nan_code(False))
+        code = torch.where(a > inf_bits, nan_code, code)
+    return code
+
+
+@functools.lru_cache(maxsize=128)
+def _decode_table(fmt, device: str) -> torch.Tensor:
+    codes = torch.arange(2 ** fmt.bits, dtype=torch.int64, device=device)
+    return _decode_formula(codes, fmt)
+
+
+def _decode_formula(c: torch.Tensor, fmt) -> torch.Tensor:
+    """float64 values of int64 codes, computed field by field (exact)."""
+    if isinstance(fmt, LookupFormat):
+        return torch.tensor(fmt.table, dtype=torch.float64, device=c.device)[c]
+    if isinstance(fmt, IntFormat):
+        v = c.to(torch.float64)
+        if fmt.signed:
+            v = torch.where(c >= 2 ** (fmt.bits - 1), v - 2.0 ** fmt.bits, v)
+        return v
+    m, e = fmt.man_bits, fmt.exp_bits
+    s = ((c >> (e + m)) & 1) == 1 if fmt.signed else torch.zeros_like(c, dtype=torch.bool)
+    ef = (c >> m) & (2 ** e - 1)
+    mf = (c & (2 ** m - 1)).to(torch.float64)
+    if fmt.zero:
+        sub = mf * 2.0 ** (fmt.emin - m) if fmt.subnormals else torch.zeros_like(mf)
+        mag = torch.where(ef == 0, sub, torch.ldexp(mf + 2.0 ** m, ef - fmt.bias - m))
+    else:
+        mag = torch.ldexp(mf + 2.0 ** m, ef - fmt.bias - m)
+    top = ef == fmt.max_field
+    if fmt.specials == "ieee":
+        mag = torch.where(top, torch.where(mf == 0, math.inf, math.nan), mag)
+    elif fmt.specials == "fn":
+        mag = torch.where(top & (mf == 2 ** m - 1), math.nan, mag)
+    elif fmt.specials == "fnuz":
+        mag = torch.where(s & (ef == 0) & (mf == 0), math.nan, mag)
+    return torch.where(s, -mag, mag)
+
+
+def _value_dtype(fmt) -> torch.dtype:
+    if isinstance(fmt, FloatFormat):
+        return torch.float32 if fr.fits(fmt, fr.F32) or fr.covers(fmt, fr.F32) else torch.float64
+    if isinstance(fmt, IntFormat):
+        return torch.float32 if fmt.bits <= 24 else torch.float64
+    return torch.float32
+
+
+def decode(codes, fmt, dtype: torch.dtype | None = None):
+    """Values of bit patterns `codes` (any integer dtype, any shape) in fmt.
+
+    dtype: float32 by default (float64 for formats float32 cannot hold exactly).
+    Codes out of range raise ValueError.
+    """
+    fmt = get_format(fmt)
+    t, restore = (codes, lambda r: r) if isinstance(codes, torch.Tensor) else _codes_numpy(codes)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"codes must be integers, got dtype {t.dtype}")
+    dtype = dtype or _value_dtype(fmt)
+    n_codes = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
+    c = t.to(torch.int64)
+    if fmt.bits == 64:
+        return restore(c.view(torch.float64).to(dtype))
+    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_codes):
+        raise ValueError(f"codes range {int(c.min())}..{int(c.max())} is outside 0..{n_codes - 1} of {fmt.name}")
+    if fmt.bits == 32 and isinstance(fmt, FloatFormat) and fmt == get_format("fp32"):
+        return restore(c.to(torch.int32).view(torch.float32).to(dtype))
+    if fmt.bits <= 16:
+        table = _decode_table(fmt, str(c.device)).to(dtype)
+        return restore(table[c])
+    return restore(_decode_formula(c, fmt).to(dtype))
+
+
+def _codes_numpy(codes):
+    if isinstance(codes, np.ndarray):
+        if codes.dtype.kind not in "iu":
+            raise TypeError(f"codes must be integers, got dtype {codes.dtype}")
+        arr = codes.astype(np.int64) if codes.dtype in (np.uint32, np.uint64, np.uint16) else codes
+        return torch.from_numpy(np.ascontiguousarray(arr)), lambda r: r.numpy()
+    raise TypeError(f"codes must be a torch.Tensor or numpy.ndarray, got {type(codes).__name__}")
