@@ -45,23 +45,40 @@ def want_compiled(numel: int) -> bool:
 
 
 def compiled(fn):
-    """Wrap fn so that it runs compiled when wanted and falls back to eager if compiling fails."""
-    state = {"compiled": None}
+    """Wrap fn(*tensors, **static) so that it runs compiled when wanted (one compiled graph per
+    set of static arguments) and falls back to eager if compiling fails."""
+    cache: dict = {}
 
-    def run(numel: int, *args, **kwargs):
+    def run(numel: int, *args, **static):
         global _failed
         if want_compiled(numel):
-            if state["compiled"] is None:
-                state["compiled"] = torch.compile(fn, dynamic=True, fullgraph=True)
+            key = tuple(sorted(static.items()))
+            if key not in cache:
+                cache[key] = torch.compile(_bind(fn, static), fullgraph=True)
+            for a in args[:1] + tuple(a for a in args[2:] if isinstance(a, torch.Tensor)):
+                torch._dynamo.maybe_mark_dynamic(a, 0)
             try:
-                return state["compiled"](*args, **kwargs)
+                return cache[key](*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
                 if _setting() in ("always",):
                     raise
                 _failed = True
                 warnings.warn(f"fewbits: torch.compile failed ({type(exc).__name__}: {exc}); "
                               "running eager kernels (slower, same results)", RuntimeWarning, stacklevel=3)
-        return fn(*args, **kwargs)
+        return fn(*args, **static)
 
     run.eager = fn
     return run
+
+
+def _bind(fn, static: dict):
+    """fn with its static arguments as constants, in a function with a code object of its own:
+    dynamo caches compiled graphs per code object, so each static key gets its own cache and its
+    constants are never turned into symbols by a recompile. The first tensor argument (and any
+    after the second, e.g. `out`) is marked dynamic along dim 0, so one graph serves every length;
+    the second (the parameter vector) keeps its fixed size."""
+    namespace = {"fn": fn, "static": dict(static)}
+    key = ", ".join(f"{k}={v}" for k, v in sorted(static.items()))
+    source = "def bound(*args):\n    return fn(*args, **static)\n"
+    exec(compile(source, f"<fewbits {fn.__name__}: {key}>", "exec"), namespace)
+    return namespace["bound"]

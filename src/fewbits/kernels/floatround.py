@@ -199,6 +199,6 @@ _compiled_out = compiled(_kernel_out)
 def round_flat(x: torch.Tensor, params: torch.Tensor, mode: str, dom: Domain, out: torch.Tensor | None = None):
     """Round a contiguous 1-D tensor of the domain dtype; write into `out` (1-D, same dtype) if given."""
     if out is None:
-        return _compiled(x.numel(), x, params, mode, dom.P, dom.W)
-    _compiled_out(x.numel(), x, params, out, mode, dom.P, dom.W)
+        return _compiled(x.numel(), x, params, mode=mode, P=dom.P, W=dom.W)
+    _compiled_out(x.numel(), x, params, out, mode=mode, P=dom.P, W=dom.W)
     return out
