@@ -1,5 +1,5 @@
 """Number formats as data: descriptors, the named registry, and the exact scalar reference."""
-from .base import OVERFLOW_POLICIES, Format
+from .base import OVERFLOW_POLICIES, OVERFLOW_PRESETS, Format
 from .floats import SPECIALS, FloatFormat
 from .integers import IntFormat
 from .lookup import NF4_VALUES, LookupFormat
@@ -8,6 +8,6 @@ from .registry import aliases_of, describe, get_format, list_formats, register
 
 __all__ = [
     "Format", "FloatFormat", "IntFormat", "LookupFormat", "NF4_VALUES", "SPECIALS", "MODES",
-    "OVERFLOW_POLICIES", "get_format", "list_formats", "register", "describe", "aliases_of",
+    "OVERFLOW_POLICIES", "OVERFLOW_PRESETS", "get_format", "list_formats", "register", "describe", "aliases_of",
     "round_value", "encode_value", "decode_value", "check_mode",
 ]

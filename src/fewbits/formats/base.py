@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from fractions import Fraction
 
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+OVERFLOW_PRESETS = ("torch", "ml_dtypes")
 
 
 class Format(ABC):
@@ -92,13 +93,28 @@ class Format(ABC):
         otherwise the largest finite value (saturate). NaN on overflow is available on request."""
         return "inf" if self.has_inf else "saturate"
 
+    def preset_overflow(self, library: str) -> str:
+        """The overflow policy that reproduces a library's casts to this format:
+        'torch' saturates OCP E4M3 (inf too) and gives inf for IEEE-style formats; 'ml_dtypes'
+        gives NaN wherever the format has NaN but no inf; both give NaN for fnuz formats."""
+        if library not in OVERFLOW_PRESETS:
+            raise ValueError(f"unknown preset {library!r}; choose one of {', '.join(OVERFLOW_PRESETS)}")
+        if self.has_inf:
+            return "inf"
+        if self.has_nan and not (library == "torch" and getattr(self, "specials", None) == "fn"):
+            return "nan"
+        return "saturate"
+
     def check_overflow(self, overflow: str | None) -> str:
-        """Resolve and validate an overflow policy for this format."""
+        """Resolve and validate an overflow policy (or a preset name) for this format."""
         if overflow is None:
             return self.default_overflow
+        if overflow in OVERFLOW_PRESETS:
+            return self.preset_overflow(overflow)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(
-                f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
+                f"unknown overflow policy {overflow!r}; choose one of "
+                f"{', '.join(OVERFLOW_POLICIES + OVERFLOW_PRESETS)}"
             )
         if overflow == "inf" and not self.has_inf:
             raise ValueError(f"format {self.name} has no infinity: overflow='inf' is impossible; "
