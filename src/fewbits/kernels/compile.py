@@ -55,8 +55,9 @@ def compiled(fn):
             key = tuple(sorted(static.items()))
             if key not in cache:
                 cache[key] = torch.compile(_bind(fn, static), fullgraph=True)
-            for a in args[:1] + tuple(a for a in args[2:] if isinstance(a, torch.Tensor)):
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() == 1 and a.numel() == numel:
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
             try:
                 return cache[key](*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
@@ -74,9 +75,9 @@ def compiled(fn):
 def _bind(fn, static: dict):
     """fn with its static arguments as constants, in a function with a code object of its own:
     dynamo caches compiled graphs per code object, so each static key gets its own cache and its
-    constants are never turned into symbols by a recompile. The first tensor argument (and any
-    after the second, e.g. `out`) is marked dynamic along dim 0, so one graph serves every length;
-    the second (the parameter vector) keeps its fixed size."""
+    constants are never turned into symbols by a recompile. Tensors as long as the data (the
+    input, `out`) are marked dynamic along dim 0, so one graph serves every length; small
+    parameter tensors keep their fixed size."""
     namespace = {"fn": fn, "static": dict(static)}
     key = ", ".join(f"{k}={v}" for k, v in sorted(static.items()))
     source = "def bound(*args):\n    return fn(*args, **static)\n"

@@ -48,7 +48,7 @@ F64 = Domain(torch.float64, torch.int64, 52, 1023, 64)
 
 # parameter vector layout
 (I_M, I_MSUB, I_EMINB, I_PFLIP, I_C, I_MAXP, I_MAXN, I_OVFP, I_OVFN, I_SAT, I_INFP, I_INFN,
- I_SIGNED, I_NEGZERO, I_NEGRES, I_MINRES, I_SEEDLO, I_SEEDHI, N_PARAMS) = range(19)
+ I_SIGNED, I_NEGZERO, I_NEGRES, I_MINRES, I_CLAMP, I_SEEDLO, I_SEEDHI, N_PARAMS) = range(20)
 
 
 def fits(fmt, dom: Domain) -> bool:
@@ -101,7 +101,35 @@ def _static_params(fmt, dom: Domain, overflow: str) -> tuple[int, ...]:
         p[i_inf] = special
     p[I_SIGNED] = int(fmt.signed)
     p[I_NEGRES] = dom.nan_bits if overflow == "nan" else lowest_mag
+    emax = _max_exponent(fmt)
+    p[I_CLAMP] = dom.bits_of(2.0 ** min(emax + 2, dom.B))
     return tuple(p)
+
+
+def _max_exponent(fmt) -> int:
+    return fmt.bits if isinstance(fmt, IntFormat) else fmt._max_exponent()
+
+
+def kernel_kind(fmt, dom: Domain) -> str:
+    """Which of the three kernels rounds fmt in this domain (all give identical results):
+    'fixed'   formats with the domain's own exponent range and subnormals (bf16, tf32 from
+              float32): drop a fixed number of mantissa bits in integer arithmetic;
+    'scaled'  formats whose smallest step is a normal number of the domain (fp16, fp8, fp6, fp4,
+              ints, E8M0 from float64): scale by the step (a power of two, exact), round to an
+              integer with the CPU's own rounding instructions, scale back;
+    'generic' anything else: integer arithmetic with a per-element shift."""
+    if isinstance(fmt, FloatFormat):
+        m, m_sub = fmt.man_bits, (fmt.man_bits if fmt.subnormals else 0)
+        emin_b = fmt.emin + dom.B
+        if fmt.subnormals and fmt.zero and emin_b == 1 and m >= 1:
+            return "fixed"
+    else:
+        m = m_sub = fmt.bits + 1
+        emin_b = m + dom.B
+    emax = _max_exponent(fmt)
+    if emin_b - m >= 1 and emin_b - m_sub >= 1 and emax + 3 <= dom.B and emax + 2 - m <= dom.B - 1:
+        return "scaled_m0" if m == 0 else "scaled"
+    return "generic"
 
 
 def float_params(fmt, dom: Domain, overflow: str, seed: tuple[int, int] = (0, 0), device="cpu") -> torch.Tensor:
@@ -110,65 +138,118 @@ def float_params(fmt, dom: Domain, overflow: str, seed: tuple[int, int] = (0, 0)
     return torch.tensor(p, dtype=torch.int64 if dom.W == 64 else torch.int32, device=device)
 
 
-def _round_bits(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int) -> torch.Tensor:
-    """The kernel: x (1-D, float32 or float64) -> rounded values, same dtype. Pure torch ops."""
-    itype = torch.int32 if W == 32 else torch.int64
-    u = x.view(itype)
-    neg = u < 0
-    a = u & ((1 << (W - 1)) - 1)
-    inf_bits = ((1 << (W - 1 - P)) - 1) << P
-    m, m_sub, emin_b, pflip = p[I_M], p[I_MSUB], p[I_EMINB], p[I_PFLIP]
+def _increment(mode: str, lower, kept, neg, k, p, odd_flip, itype):
+    """0/1 per element: whether the kept magnitude `kept` goes up by one step, given the dropped
+    bits `lower` (k of them). Integer arithmetic; shared by the fixed and generic kernels."""
+    if mode == "toward_zero":
+        return torch.zeros_like(kept)
+    if mode in ("up", "down"):
+        away = ~neg if mode == "up" else neg
+        return ((lower != 0) & away).to(itype)
+    if mode == "stochastic":
+        r = _random_words_like(lower, p)
+        low64 = lower.to(torch.int64)
+        k64 = k.to(torch.int64)
+        thr = torch.where(k64 <= 32, low64 << torch.clamp(32 - k64, min=0),
+                          low64 >> torch.clamp(k64 - 32, max=63))
+        return (r < thr).to(itype)
+    half = (torch.ones_like(lower) << k) >> 1
+    if mode == "nearest_away":
+        return ((lower >= half) & (lower != 0)).to(itype)
+    odd = (kept ^ odd_flip) & 1
+    return ((lower > half) | ((lower == half) & (lower != 0) & (odd == 1))).to(itype)
 
+
+def _random_words_like(t, p):
+    idx = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+    return random_words(idx, p[I_SEEDLO].to(torch.int64), p[I_SEEDHI].to(torch.int64))
+
+
+def _towards_zero_mask(mode: str, neg):
+    """Where the magnitude is rounded toward zero (such results never overflow to inf/NaN)."""
+    if mode == "toward_zero":
+        return torch.ones_like(neg)
+    if mode == "up":
+        return neg
+    if mode == "down":
+        return ~neg
+    return torch.zeros_like(neg)
+
+
+def _generic_bits(a, neg, p, mode: str, P: int, itype, fdtype):
+    """Magnitude bits of the rounded value, any format: integer arithmetic, per-element shift."""
+    m, m_sub, emin_b, pflip = p[I_M], p[I_MSUB], p[I_EMINB], p[I_PFLIP]
     E = a >> P
     insub = E < emin_b
     e_eff = torch.clamp(E, min=1)
     shift = torch.clamp(emin_b - e_eff, min=0)
-    k_true = torch.where(insub, P - m_sub, P - m) + shift
+    k_true = (torch.where(insub, P - m_sub, P - m) + shift).to(itype)
     k = torch.clamp(k_true, max=P + 2)
     sig = (a & ((1 << P) - 1)) | ((E > 0).to(itype) << P)
     scaled = shift > 0
     src = torch.where(scaled, sig, a)
     kept = src >> k
     lower = src & ((torch.ones_like(k) << k) - 1)
-
-    if mode == "toward_zero":
-        inc = torch.zeros_like(kept)
-    elif mode in ("nearest_even", "nearest_away"):
-        half = (torch.ones_like(k) << k) >> 1
-        if mode == "nearest_away":
-            inc = ((lower >= half) & (lower != 0)).to(itype)
-        else:
-            odd = (kept ^ torch.where(insub, 0, pflip)) & 1
-            inc = ((lower > half) | ((lower == half) & (lower != 0) & (odd == 1))).to(itype)
-    elif mode in ("up", "down"):
-        away = ~neg if mode == "up" else neg
-        inc = ((lower != 0) & away).to(itype)
-    elif mode == "stochastic":
-        idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64)
-        r = random_words(idx, p[I_SEEDLO].to(torch.int64), p[I_SEEDHI].to(torch.int64))
-        low64 = lower.to(torch.int64)
-        k64 = k_true.to(torch.int64)
-        thr = torch.where(k64 <= 32, low64 << torch.clamp(32 - k64, min=0),
-                          low64 >> torch.clamp(k64 - 32, max=63))
-        inc = (r < thr).to(itype)
-    else:
-        raise ValueError(mode)
-
+    inc = _increment(mode, lower, kept, neg, k_true, p, torch.where(insub, 0, pflip), itype)
     q = kept + inc
     normal_bits = q << k
-    qf = q.to(x.dtype).view(itype)
+    qf = q.to(fdtype).view(itype)
     scaled_bits = torch.where(q == 0, 0, qf + p[I_C] * (1 << P))
-    r_bits = torch.where(scaled, scaled_bits, normal_bits)
+    return torch.where(scaled, scaled_bits, normal_bits)
 
-    # overflow: towards-zero rounding of the magnitude gives the largest finite value
-    if mode == "toward_zero":
-        rz = torch.ones_like(neg)
-    elif mode == "up":
-        rz = neg
-    elif mode == "down":
-        rz = ~neg
+
+def _fixed_bits(a, neg, p, mode: str, P: int, itype, fdtype):
+    """Formats sharing the domain's exponent range: drop P - m mantissa bits of every value."""
+    k = (P - p[I_M]).to(itype)
+    kept = a >> k
+    lower = a & ((torch.ones_like(a) << k) - 1)
+    inc = _increment(mode, lower, kept, neg, k, p, 0, itype)
+    return (kept + inc) << k
+
+
+def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False):
+    """Formats whose smallest step is a normal number of the domain: y = |x| / step is exact,
+    round y to an integer in the mode, multiply back (exact). Magnitudes beyond 4x the format's
+    range are clamped first (they overflow either way), so the scaling never leaves the domain."""
+    B = (1 << (itype.itemsize * 8 - 2 - P)) - 1
+    m, m_sub, emin_b = p[I_M], p[I_MSUB], p[I_EMINB]
+    a_cl = torch.minimum(a, p[I_CLAMP])
+    E = a_cl >> P
+    eq = torch.where(E >= emin_b, E - m, emin_b - m_sub)
+    step = (eq << P).view(fdtype)
+    inv_step = ((2 * B - eq) << P).view(fdtype)
+    y = a_cl.view(fdtype) * inv_step
+    if mode == "nearest_even":
+        n = torch.round(y)
+        if m0:  # one value per binade: a tie goes to the even exponent code, not the even integer
+            fl = torch.floor(y)
+            lo_even = ((E + p[I_PFLIP]) & 1) == 0
+            n = torch.where((y - fl == 0.5) & (E >= emin_b) & lo_even, fl, n)
+    elif mode == "toward_zero":
+        n = torch.floor(y)
+    elif mode == "nearest_away":
+        fl = torch.floor(y)
+        n = fl + (y - fl >= 0.5).to(fdtype)
+    elif mode in ("up", "down"):
+        away = ~neg if mode == "up" else neg
+        n = torch.where(away, torch.ceil(y), torch.floor(y))
+    elif mode == "stochastic":
+        fl = torch.floor(y)
+        thr = ((y - fl) * 4294967296.0).to(torch.int64)
+        n = fl + (_random_words_like(a, p) < thr).to(fdtype)
     else:
-        rz = torch.zeros_like(neg)
+        raise ValueError(mode)
+    return (n * step).view(itype)
+
+
+_BITS = {"generic": _generic_bits, "fixed": _fixed_bits, "scaled": _scaled_bits,
+         "scaled_m0": functools.partial(_scaled_bits, m0=True)}
+
+
+def _finish(a, neg, r_bits, mode: str, p, P: int, W: int, itype):
+    """Overflow policy, infinities, NaN, unsigned range, missing zero and the sign."""
+    inf_bits = ((1 << (W - 1 - P)) - 1) << P
+    rz = _towards_zero_mask(mode, neg)
     top = torch.where(neg, p[I_MAXN], p[I_MAXP])
     ovf = torch.where(neg, p[I_OVFN], p[I_OVFP])
     r_bits = torch.where(r_bits > top, torch.where(rz | (p[I_SAT] == 1), top, ovf), r_bits)
@@ -181,24 +262,37 @@ def _round_bits(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int) -> 
     r_bits = torch.where(is_nan_in, inf_bits | (1 << (P - 1)), r_bits)
     r_bits = torch.where(r_bits == 0, p[I_MINRES], r_bits)
     keep_sign = neg & ((p[I_SIGNED] == 1) | (r_bits > inf_bits)) & (~is_zero | (p[I_NEGZERO] == 1))
-    return (r_bits | (keep_sign.to(itype) * -(1 << (W - 1)))).view(x.dtype)
+    return r_bits.to(itype) | (keep_sign.to(itype) * -(1 << (W - 1)))
 
 
-def _kernel(x, p, mode: str, P: int, W: int):
-    return _round_bits(x, p, mode, P, W)
+def _round(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int, kind: str) -> torch.Tensor:
+    """x (1-D, any float dtype) rounded in the domain (P, W) by kernel `kind`; same dtype as x."""
+    fdtype, itype = (torch.float32, torch.int32) if W == 32 else (torch.float64, torch.int64)
+    u = x.to(fdtype).view(itype)
+    neg = u < 0
+    a = u & ((1 << (W - 1)) - 1)
+    r_bits = _BITS[kind](a, neg, p, mode, P, itype, fdtype)
+    return _finish(a, neg, r_bits, mode, p, P, W, itype).view(fdtype).to(x.dtype)
 
 
-def _kernel_out(x, p, out, mode: str, P: int, W: int):
-    out.copy_(_round_bits(x, p, mode, P, W))
+def _kernel(x, p, mode: str, P: int, W: int, kind: str):
+    return _round(x, p, mode, P, W, kind)
+
+
+def _kernel_out(x, p, out, mode: str, P: int, W: int, kind: str):
+    out.copy_(_round(x, p, mode, P, W, kind))
 
 
 _compiled = compiled(_kernel)
 _compiled_out = compiled(_kernel_out)
 
 
-def round_flat(x: torch.Tensor, params: torch.Tensor, mode: str, dom: Domain, out: torch.Tensor | None = None):
-    """Round a contiguous 1-D tensor of the domain dtype; write into `out` (1-D, same dtype) if given."""
+def round_flat(x: torch.Tensor, params: torch.Tensor, mode: str, dom: Domain, kind: str,
+               out: torch.Tensor | None = None):
+    """Round a contiguous 1-D float tensor in domain `dom` with kernel `kind`; the result has x's
+    dtype, written into `out` (1-D, x's dtype) if given."""
+    static = dict(mode=mode, P=dom.P, W=dom.W, kind=kind)
     if out is None:
-        return _compiled(x.numel(), x, params, mode=mode, P=dom.P, W=dom.W)
-    _compiled_out(x.numel(), x, params, out, mode=mode, P=dom.P, W=dom.W)
+        return _compiled(x.numel(), x, params, **static)
+    _compiled_out(x.numel(), x, params, out, **static)
     return out
