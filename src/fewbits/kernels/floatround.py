@@ -138,9 +138,10 @@ def float_params(fmt, dom: Domain, overflow: str, seed: tuple[int, int] = (0, 0)
     return torch.tensor(p, dtype=torch.int64 if dom.W == 64 else torch.int32, device=device)
 
 
-def _increment(mode: str, lower, kept, neg, k, p, odd_flip, itype):
+def _increment(mode: str, lower, kept, neg, k, k_true, p, odd_flip, itype):
     """0/1 per element: whether the kept magnitude `kept` goes up by one step, given the dropped
-    bits `lower` (k of them). Integer arithmetic; shared by the fixed and generic kernels."""
+    bits `lower` (k of them; k_true >= k is the uncapped count, which only stochastic rounding
+    needs). Integer arithmetic; shared by the fixed and generic kernels."""
     if mode == "toward_zero":
         return torch.zeros_like(kept)
     if mode in ("up", "down"):
@@ -149,7 +150,7 @@ def _increment(mode: str, lower, kept, neg, k, p, odd_flip, itype):
     if mode == "stochastic":
         r = _random_words_like(lower, p)
         low64 = lower.to(torch.int64)
-        k64 = k.to(torch.int64)
+        k64 = k_true.to(torch.int64)
         thr = torch.where(k64 <= 32, low64 << torch.clamp(32 - k64, min=0),
                           low64 >> torch.clamp(k64 - 32, max=63))
         return (r < thr).to(itype)
@@ -190,7 +191,7 @@ def _generic_bits(a, neg, p, mode: str, P: int, itype, fdtype):
     src = torch.where(scaled, sig, a)
     kept = src >> k
     lower = src & ((torch.ones_like(k) << k) - 1)
-    inc = _increment(mode, lower, kept, neg, k_true, p, torch.where(insub, 0, pflip), itype)
+    inc = _increment(mode, lower, kept, neg, k, k_true, p, torch.where(insub, 0, pflip), itype)
     q = kept + inc
     normal_bits = q << k
     qf = q.to(fdtype).view(itype)
@@ -203,7 +204,7 @@ def _fixed_bits(a, neg, p, mode: str, P: int, itype, fdtype):
     k = (P - p[I_M]).to(itype)
     kept = a >> k
     lower = a & ((torch.ones_like(a) << k) - 1)
-    inc = _increment(mode, lower, kept, neg, k, p, 0, itype)
+    inc = _increment(mode, lower, kept, neg, k, k, p, 0, itype)
     return (kept + inc) << k
 
 

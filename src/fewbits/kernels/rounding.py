@@ -146,6 +146,9 @@ def encode(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     if isinstance(fmt, IntFormat):
         codes = r.to(torch.int64) & ((1 << fmt.bits) - 1)
         return restore(codes.to(cd))
+    if fmt.bits == dom.W:  # the domain's own format: the codes are the bits
+        bits = r.view(dom.itype).to(torch.int64)
+        return restore((bits & 0xFFFFFFFF if dom.W == 32 else bits).to(cd))
     return restore(_float_codes(r, fmt, dom).to(cd))
 
 
