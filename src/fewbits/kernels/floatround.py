@@ -55,6 +55,8 @@ def fits(fmt, dom: Domain) -> bool:
     """Whether rounding to fmt can be computed exactly in this domain."""
     if isinstance(fmt, IntFormat):
         return fmt.bits + 1 <= dom.P
+    if _one_binade_below(fmt, dom):
+        return True
     m_sub = fmt.man_bits if fmt.subnormals else 0
     emin_b = fmt.emin + dom.B
     if fmt.man_bits > dom.P or emin_b < 1:
@@ -62,6 +64,13 @@ def fits(fmt, dom: Domain) -> bool:
     if emin_b > 1 and fmt.emin - m_sub < 1 - dom.B:
         return False
     return fmt.max <= torch.finfo(dom.dtype).max
+
+
+def _one_binade_below(fmt, dom: Domain) -> bool:
+    """Powers-of-two formats reaching one binade below the domain's normal range (E8M0 in
+    float32: 2^-127 is a float32 subnormal): the 'pow2' kernel rounds them in the domain."""
+    return (isinstance(fmt, FloatFormat) and fmt.man_bits == 0 and not fmt.subnormals and not fmt.zero
+            and fmt.emin + dom.B == 0 and fmt.max <= torch.finfo(dom.dtype).max)
 
 
 def covers(fmt, dom: Domain) -> bool:
@@ -117,7 +126,10 @@ def kernel_kind(fmt, dom: Domain) -> str:
     'scaled'  formats whose smallest step is a normal number of the domain (fp16, fp8, fp6, fp4,
               ints, E8M0 from float64): scale by the step (a power of two, exact), round to an
               integer with the CPU's own rounding instructions, scale back;
+    'pow2'    powers of two one binade below the domain's normal range (E8M0 from float32);
     'generic' anything else: integer arithmetic with a per-element shift."""
+    if _one_binade_below(fmt, dom):
+        return "pow2"
     if isinstance(fmt, FloatFormat):
         m, m_sub = fmt.man_bits, (fmt.man_bits if fmt.subnormals else 0)
         emin_b = fmt.emin + dom.B
@@ -243,56 +255,98 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False):
     return (n * step).view(itype)
 
 
-_BITS = {"generic": _generic_bits, "fixed": _fixed_bits, "scaled": _scaled_bits,
+def _pow2_bits(a, neg, p, mode: str, P: int, itype, fdtype):
+    """Powers of two from 2^(domain emin - 1) up: normal inputs keep only their exponent (drop P
+    bits); subnormal inputs hold the lowest power, 2^(emin-1), in their top mantissa bit (drop
+    P - 1 bits). Ties below 2^emin never go up: zero and the lowest power have even codes."""
+    sub = ((a >> P) == 0).to(itype)
+    k = P - sub
+    kept = a >> k
+    lower = a & ((torch.ones_like(a) << k) - 1)
+    if mode == "nearest_even":  # written out: ties below 2^emin stay (both candidates are even)
+        half = (torch.ones_like(a) << k) >> 1
+        odd = ((kept ^ p[I_PFLIP]) & 1) * (1 - sub)
+        inc = ((lower > half) | ((lower == half) & (lower != 0) & (odd == 1))).to(itype)
+    else:
+        inc = _increment(mode, lower, kept, neg, k, k, p, 0, itype)
+    return (kept + inc) << k
+
+
+_BITS = {"pow2": _pow2_bits, "generic": _generic_bits, "fixed": _fixed_bits, "scaled": _scaled_bits,
          "scaled_m0": functools.partial(_scaled_bits, m0=True)}
 
 
-def _finish(a, neg, r_bits, mode: str, p, P: int, W: int, itype):
+def finish_spec(fmt, dom: Domain, overflow: str) -> tuple[int, ...]:
+    """The format's range and specials as Python ints, compiled into the kernel as constants
+    (dead branches vanish: this step costs more than the rounding when read at run time)."""
+    sp = _static_params(fmt, dom, overflow)
+    return tuple(sp[i] for i in (I_MAXP, I_MAXN, I_OVFP, I_OVFN, I_INFP, I_INFN, I_SAT, I_SIGNED,
+                                 I_NEGZERO, I_NEGRES, I_MINRES))
+
+
+def _finish(a, neg, r_bits, mode: str, spec: tuple, P: int, W: int, itype):
     """Overflow policy, infinities, NaN, unsigned range, missing zero and the sign."""
+    maxp, maxn, ovfp, ovfn, infp, infn, sat, signed, negzero, negres, minres = spec
     inf_bits = ((1 << (W - 1 - P)) - 1) << P
-    rz = _towards_zero_mask(mode, neg)
-    top = torch.where(neg, p[I_MAXN], p[I_MAXP])
-    ovf = torch.where(neg, p[I_OVFN], p[I_OVFP])
-    r_bits = torch.where(r_bits > top, torch.where(rz | (p[I_SAT] == 1), top, ovf), r_bits)
-    r_bits = torch.where(a == inf_bits, torch.where(neg, p[I_INFN], p[I_INFP]), r_bits)
+
+    def sel(c, x, y):
+        return torch.where(c, x, y).to(itype)
+
+    r_bits = r_bits.to(itype)
+    rz = {"toward_zero": True, "up": neg, "down": ~neg}.get(mode, False)
+    top = maxp if maxp == maxn else sel(neg, maxn, maxp)
+    ovf = ovfp if ovfp == ovfn else sel(neg, ovfn, ovfp)
+    if sat or rz is True:  # overflow gives the largest finite value
+        r = torch.clamp(r_bits, max=top) if isinstance(top, int) else sel(r_bits > top, top, r_bits)
+    elif rz is False:
+        r = sel(r_bits > top, ovf, r_bits)
+    else:
+        r = sel(r_bits > top, sel(rz, top, ovf), r_bits)
+    inf_out = infp if infp == infn else sel(neg, infn, infp)
+    if not (sat and isinstance(inf_out, int) and inf_out == top):  # saturation already clamped inf
+        r = sel(a == inf_bits, inf_out, r)
     is_nan_in = a > inf_bits
-    is_zero = r_bits == 0
-    # unsigned formats: a negative value that did not round to zero is out of range
-    neg_out = neg & (p[I_SIGNED] == 0) & ~is_zero & ~is_nan_in
-    r_bits = torch.where(neg_out, p[I_NEGRES], r_bits)
-    r_bits = torch.where(is_nan_in, inf_bits | (1 << (P - 1)), r_bits)
-    r_bits = torch.where(r_bits == 0, p[I_MINRES], r_bits)
-    keep_sign = neg & ((p[I_SIGNED] == 1) | (r_bits > inf_bits)) & (~is_zero | (p[I_NEGZERO] == 1))
-    return r_bits.to(itype) | (keep_sign.to(itype) * -(1 << (W - 1)))
+    if not signed:  # a negative value that did not round to zero is out of range
+        r = sel(neg & (r != 0) & ~is_nan_in, negres, r)
+    r = sel(is_nan_in, inf_bits | (1 << (P - 1)), r)
+    if minres:  # no zero in the format: the smallest value instead
+        r = sel(r == 0, minres, r)
+    if signed and negzero:
+        sign = neg
+    elif signed:
+        sign = neg & (r != 0)
+    else:
+        sign = neg & (r > inf_bits)  # only NaN keeps its sign
+    return r | (sign.to(itype) * -(1 << (W - 1)))
 
 
-def _round(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int, kind: str) -> torch.Tensor:
+def _round(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int, kind: str, spec: tuple) -> torch.Tensor:
     """x (1-D, any float dtype) rounded in the domain (P, W) by kernel `kind`; same dtype as x."""
     fdtype, itype = (torch.float32, torch.int32) if W == 32 else (torch.float64, torch.int64)
     u = x.to(fdtype).view(itype)
     neg = u < 0
     a = u & ((1 << (W - 1)) - 1)
     r_bits = _BITS[kind](a, neg, p, mode, P, itype, fdtype)
-    return _finish(a, neg, r_bits, mode, p, P, W, itype).view(fdtype).to(x.dtype)
+    return _finish(a, neg, r_bits, mode, spec, P, W, itype).view(fdtype).to(x.dtype)
 
 
-def _kernel(x, p, mode: str, P: int, W: int, kind: str):
-    return _round(x, p, mode, P, W, kind)
+def _kernel(x, p, mode: str, P: int, W: int, kind: str, spec: tuple):
+    return _round(x, p, mode, P, W, kind, spec)
 
 
-def _kernel_out(x, p, out, mode: str, P: int, W: int, kind: str):
-    out.copy_(_round(x, p, mode, P, W, kind))
+def _kernel_out(x, p, out, mode: str, P: int, W: int, kind: str, spec: tuple):
+    out.copy_(_round(x, p, mode, P, W, kind, spec))
 
 
 _compiled = compiled(_kernel)
 _compiled_out = compiled(_kernel_out)
 
 
-def round_flat(x: torch.Tensor, params: torch.Tensor, mode: str, dom: Domain, kind: str,
+def round_flat(x: torch.Tensor, params: torch.Tensor, mode: str, dom: Domain, kind: str, spec: tuple,
                out: torch.Tensor | None = None):
-    """Round a contiguous 1-D float tensor in domain `dom` with kernel `kind`; the result has x's
-    dtype, written into `out` (1-D, x's dtype) if given."""
-    static = dict(mode=mode, P=dom.P, W=dom.W, kind=kind)
+    """Round a contiguous 1-D float tensor in domain `dom` with kernel `kind` (spec: finish_spec);
+    the result has x's dtype, written into `out` (1-D, x's dtype) if given."""
+    static = dict(mode=mode, P=dom.P, W=dom.W, kind=kind, spec=spec)
     if out is None:
         return _compiled(x.numel(), x, params, **static)
     _compiled_out(x.numel(), x, params, out, **static)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ..formats import LookupFormat
@@ -82,6 +83,119 @@ _codes_compiled = compiled(_codes_unrolled)
 _round_compiled = compiled(_round_unrolled)
 
 
+# --- float32 fast path: strict float32 thresholds, one compare per boundary --------------------
+_F32_MODES = ("nearest_even", "nearest_away", "up", "down", "toward_zero")
+_F32_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=256)
+def f32_thresholds(fmt: LookupFormat, mode: str) -> tuple[float, ...] | None:
+    """Float32 t_i with code = #{i: x > t_i} for every float32 x (None if the codebook has values
+    float32 cannot hold). Boundary i decides between v[i-1] and v[i] at m (the midpoint for the
+    nearest modes), going up on a tie where the mode says so."""
+    v = fmt.table
+    if any(float(np.float32(t)) != t for t in v):
+        return None
+    ties = _tie_up(fmt, mode) if mode in ("nearest_even", "nearest_away") else None
+    # toward_zero (for codebooks holding 0): "down" on the positive side, "up" on the negative
+    out = []
+    for i in range(1, len(v)):
+        if ties is not None:
+            m, tie_up = (v[i - 1] + v[i]) / 2, ties[i - 1]
+        elif mode == "down" or (mode == "toward_zero" and v[i] > 0):  # code = #{i: x >= v[i]}
+            m, tie_up = v[i], True
+        else:  # up: code = #{i: x > v[i-1]}
+            m, tie_up = v[i - 1], False
+        t = np.float32(m)
+        if float(t) == m:  # x >= m  <=>  x > the float32 just below m
+            t = np.nextafter(t, np.float32(-np.inf)) if tie_up else t
+        elif float(t) > m:  # m falls between float32 values: x > m <=> x > the one below m
+            t = np.nextafter(t, np.float32(-np.inf))
+        out.append(float(t))
+    return tuple(out)
+
+
+def _round_f32(x, values: tuple, thresholds: tuple):
+    xf = x.to(torch.float32)
+    val = torch.full_like(xf, values[0])
+    for v, t in zip(values[1:], thresholds):
+        val = torch.where(xf > t, v, val)
+    return torch.where(torch.isnan(xf), torch.nan, val).to(x.dtype)
+
+
+def _round_f32_out(x, out, values: tuple, thresholds: tuple):
+    out.copy_(_round_f32(x, values, thresholds))
+
+
+def _codes_f32(x, thresholds: tuple):
+    xf = x.to(torch.float32)
+    code = torch.zeros_like(xf, dtype=torch.int64)
+    for t in thresholds:
+        code = code + (xf > t).to(torch.int64)
+    return torch.where(torch.isnan(xf), -1, code)
+
+
+def _neighbours_f32(xf, values: tuple, th_down: tuple, th_up: tuple):
+    """(lo, hi, code_lo, code_hi): the table values just below/above x (equal when x is one)."""
+    lo = torch.full_like(xf, values[0])
+    hi = torch.full_like(xf, values[0])
+    c_lo = torch.zeros_like(xf, dtype=torch.int32)
+    c_hi = torch.zeros_like(xf, dtype=torch.int32)
+    for i, (v, td, tu) in enumerate(zip(values[1:], th_down, th_up), start=1):
+        lo = torch.where(xf > td, v, lo)
+        hi = torch.where(xf > tu, v, hi)
+        c_lo = torch.where(xf > td, i, c_lo)
+        c_hi = torch.where(xf > tu, i, c_hi)
+    return lo, hi, c_lo, c_hi
+
+
+def _pair_codes_f32(x, seed, mode: str, values: tuple, th_down: tuple, th_up: tuple):
+    """Codes for toward_zero and stochastic (the modes that need both neighbours)."""
+    xf = x.to(torch.float32)
+    lo, hi, c_lo, c_hi = _neighbours_f32(xf, values, th_down, th_up)
+    if mode == "toward_zero":
+        straddle = (lo < 0) & (hi > 0)
+        pick_hi = torch.where(straddle, hi.abs() < lo.abs(), hi <= 0)
+    else:  # stochastic; the probability in float64, as the reference computes it
+        x64, lo64, hi64 = xf.to(torch.float64), lo.to(torch.float64), hi.to(torch.float64)
+        frac = (x64 - lo64) / torch.where(hi64 == lo64, 1.0, hi64 - lo64)
+        thr = torch.floor(frac * 4294967296.0).to(torch.int64)
+        idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64)
+        r = random_words(idx, seed[0].to(torch.int64), seed[1].to(torch.int64))
+        pick_hi = (hi != lo) & (r < thr)
+    return torch.where(torch.isnan(xf), -1, torch.where(pick_hi, c_hi, c_lo)).to(torch.int64)
+
+
+def _pair_round_f32(x, seed, mode: str, values: tuple, th_down: tuple, th_up: tuple):
+    code = _pair_codes_f32(x, seed, mode, values, th_down, th_up)
+    val = torch.full_like(x, values[0], dtype=torch.float32)
+    for i, v in enumerate(values[1:], start=1):
+        val = torch.where(code >= i, v, val)
+    return torch.where(code < 0, torch.nan, val).to(x.dtype)
+
+
+def _pair_round_f32_out(x, seed, out, mode: str, values: tuple, th_down: tuple, th_up: tuple):
+    out.copy_(_pair_round_f32(x, seed, mode, values, th_down, th_up))
+
+
+_pair_codes_compiled = compiled(_pair_codes_f32)
+_pair_round_compiled = compiled(_pair_round_f32)
+_pair_round_out_compiled = compiled(_pair_round_f32_out)
+_round_f32_compiled = compiled(_round_f32)
+_round_f32_out_compiled = compiled(_round_f32_out)
+_codes_f32_compiled = compiled(_codes_f32)
+
+
+def _fast_thresholds(x, fmt, mode):
+    if x.dtype in _F32_INPUTS and fmt.num_values <= UNROLL_MAX:
+        if mode in _F32_MODES and not (mode == "toward_zero" and 0.0 not in fmt.table):
+            return f32_thresholds(fmt, mode)
+        th_down, th_up = f32_thresholds(fmt, "down"), f32_thresholds(fmt, "up")
+        if th_down is not None and th_up is not None:
+            return th_down, th_up
+    return None
+
+
 def _codes_search(x: torch.Tensor, fmt: LookupFormat, mode: str, seed) -> torch.Tensor:
     """The same codes by binary search (codebooks of any size)."""
     t = _table(fmt, str(x.device))
@@ -116,13 +230,43 @@ def lookup_indices(x: torch.Tensor, fmt: LookupFormat, mode: str, seed=(0, 0)) -
     if fmt.num_values > UNROLL_MAX:
         return _codes_search(x, fmt, mode, seed)
     flat = x.reshape(-1)
+    th = _fast_thresholds(x, fmt, mode)
+    seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    if th is not None and isinstance(th[0], float):
+        return _codes_f32_compiled(flat.numel(), flat, thresholds=th).view(x.shape)
+    if th is not None:
+        return _pair_codes_compiled(flat.numel(), flat, seed_t, mode=mode, values=fmt.table,
+                                    th_down=th[0], th_up=th[1]).view(x.shape)
     seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
     codes = _codes_compiled(flat.numel(), flat, _table(fmt, str(x.device)), seed_t,
                             mode=mode, n=fmt.num_values, tie_up=_tie_up(fmt, mode))
     return codes.view(x.shape)
 
 
-def round_lookup(x: torch.Tensor, fmt: LookupFormat, mode: str, seed=(0, 0)) -> torch.Tensor:
+def round_lookup(x: torch.Tensor, fmt: LookupFormat, mode: str, seed=(0, 0), out=None) -> torch.Tensor:
+    """x rounded to the codebook (x's shape and dtype); written into `out` if given."""
+    th = _fast_thresholds(x, fmt, mode)
+    if th is not None and not isinstance(th[0], float):
+        flat = x.reshape(-1)
+        seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+        static = dict(mode=mode, values=fmt.table, th_down=th[0], th_up=th[1])
+        if out is not None and out.is_contiguous():
+            _pair_round_out_compiled(flat.numel(), flat, seed_t, out.view(-1), **static)
+            return out
+        r = _pair_round_compiled(flat.numel(), flat, seed_t, **static).view(x.shape)
+        return out.copy_(r) if out is not None else r
+    if th is not None:
+        flat = x.reshape(-1)
+        if out is not None and out.is_contiguous():
+            _round_f32_out_compiled(flat.numel(), flat, out.view(-1), values=fmt.table, thresholds=th)
+            return out
+        r = _round_f32_compiled(flat.numel(), flat, values=fmt.table, thresholds=th).view(x.shape)
+        return out.copy_(r) if out is not None else r
+    r = _round_lookup_general(x, fmt, mode, seed)
+    return out.copy_(r) if out is not None else r
+
+
+def _round_lookup_general(x, fmt, mode, seed):
     if fmt.num_values > UNROLL_MAX:
         codes = _codes_search(x, fmt, mode, seed)
         t = _table(fmt, str(x.device))

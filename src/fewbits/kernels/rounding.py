@@ -95,19 +95,19 @@ def _round_tensor(t, fmt, mode, overflow, seed, out=None, kind=None):
     if t.numel() == 0:
         return out if out is not None else t.clone()
     if isinstance(fmt, LookupFormat):
-        r = round_lookup(t, fmt, mode, seed)
-        return out.copy_(r) if out is not None else r
+        return round_lookup(t, fmt, mode, seed, out)
     work_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
     if kind is None and fr.covers(fmt, fr.F64 if work_dtype == torch.float64 else fr.F32) and overflow == "inf":
         return out.copy_(t) if out is not None else t.clone()
     dom = _domain_for(fmt, work_dtype)
     params = fr.float_params(fmt, dom, overflow, seed, device=t.device)
     kind = kind or fr.kernel_kind(fmt, dom)
+    spec = fr.finish_spec(fmt, dom, overflow)
     flat = t.reshape(-1)  # a view when t is contiguous, else one copy
     if out is not None and out.is_contiguous():
-        fr.round_flat(flat, params, mode, dom, kind, out.view(-1))
+        fr.round_flat(flat, params, mode, dom, kind, spec, out.view(-1))
         return out
-    r = fr.round_flat(flat, params, mode, dom, kind).view(t.shape)
+    r = fr.round_flat(flat, params, mode, dom, kind, spec).view(t.shape)
     return out.copy_(r) if out is not None else r
 
 
