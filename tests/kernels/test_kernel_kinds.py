@@ -105,4 +105,4 @@ def test_kernel_choice():
     for name in ("fp16", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "int8", "uint4"):
         assert fr.kernel_kind(fb.get_format(name), fr.F32) == "scaled", name
     assert fr.kernel_kind(fb.get_format("e8m0"), fr.F64) == "scaled_m0"
-XX
+    assert fr.kernel_kind(fb.get_format("e8m0"), fr.F32) == "pow2"  # 2^-127 is a float32 subnormal
