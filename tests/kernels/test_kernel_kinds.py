@@ -64,6 +64,8 @@ def test_generic_kernel_matches_reference(fmt, dtype):
         pytest.skip("format needs more than float64")
     if fr.kernel_kind(fmt, dom) == "generic":
         pytest.skip("fb.round already uses the generic kernel for this format")
+    if fr.kernel_kind(fmt, dom) == "pow2":
+        pytest.skip("the generic kernel needs the format inside the domain's normal range")
     x = _inputs(fmt, dtype)
     modes = fb.MODES if fmt.bits <= 8 else ("nearest_even", "toward_zero", "stochastic")
     with fb.use_backend("eager"):

@@ -13,7 +13,8 @@ Semantics (every format):
 - Signed zeros are kept where the format has -0; 'fnuz' formats and unsigned formats give +0.
 - Unsigned formats: a negative input that does not round to zero is out of range: 'saturate'
   gives the lowest value (0, or the smallest value of a format without zero), 'nan' gives NaN.
-- Formats without zero (E8M0): results below the smallest value become the smallest value.
+- Formats without zero (E8M0): results below the smallest value become the smallest value
+  (with the input's sign, in a signed format).
 - Ties: 'nearest_even' picks the neighbour whose code is even; 'nearest_away' the larger magnitude.
 - 'stochastic' takes a 32-bit random word r per value: with frac the position of |x| between its
   two neighbours (0 <= frac < 1), it rounds away from zero iff r < floor(frac * 2**32). So the
@@ -140,8 +141,8 @@ def _finish(fmt: Format, mag, negative: bool, overflow: str) -> float:
             return math.copysign(math.nan, -1.0)
         return float(fmt.lowest)
     if is_zero:
-        if isinstance(fmt, FloatFormat) and not fmt.zero:
-            return fmt.min_normal
+        if isinstance(fmt, FloatFormat) and not fmt.zero:  # the smallest magnitude, signed if it can be
+            return -fmt.min_normal if negative and fmt.signed else fmt.min_normal
         keep_sign = negative and isinstance(fmt, FloatFormat) and fmt.has_negative_zero
         return -0.0 if keep_sign else 0.0
     if isinstance(fmt, FloatFormat) and not fmt.zero and mag < Fraction(fmt.min_normal):

@@ -123,9 +123,9 @@ def kernel_kind(fmt, dom: Domain) -> str:
     """Which of the three kernels rounds fmt in this domain (all give identical results):
     'fixed'   formats with the domain's own exponent range and subnormals (bf16, tf32 from
               float32): drop a fixed number of mantissa bits in integer arithmetic;
-    'scaled'  formats whose smallest step is a normal number of the domain (fp16, fp8, fp6, fp4,
-              ints, E8M0 from float64): scale by the step (a power of two, exact), round to an
-              integer with the CPU's own rounding instructions, scale back;
+    'scaled'  formats whose smallest step is a normal number of the domain and at most 1 (fp16,
+              fp8, fp6, fp4, ints, E8M0 from float64): scale by the step (a power of two, exact),
+              round to an integer with the CPU's own rounding instructions, scale back;
     'pow2'    powers of two one binade below the domain's normal range (E8M0 from float32);
     'generic' anything else: integer arithmetic with a per-element shift."""
     if _one_binade_below(fmt, dom):
@@ -139,7 +139,10 @@ def kernel_kind(fmt, dom: Domain) -> str:
         m = m_sub = fmt.bits + 1
         emin_b = m + dom.B
     emax = _max_exponent(fmt)
-    if emin_b - m >= 1 and emin_b - m_sub >= 1 and emax + 3 <= dom.B and emax + 2 - m <= dom.B - 1:
+    # the smallest step must be a normal number no larger than 1 (so |x| / step is exact even for
+    # the tiniest x), and 4x the range must stay finite after scaling
+    if (emin_b - m >= 1 and 1 <= emin_b - m_sub <= dom.B and emax + 3 <= dom.B
+            and emax + 2 - m <= dom.B - 1):
         return "scaled_m0" if m == 0 else "scaled"
     return "generic"
 
