@@ -101,7 +101,8 @@ class Format(ABC):
             raise ValueError(f"unknown preset {library!r}; choose one of {', '.join(OVERFLOW_PRESETS)}")
         if self.has_inf:
             return "inf"
-        if self.has_nan and not (library == "torch" and getattr(self, "specials", None) == "fn"):
+        torch_saturates = library == "torch" and getattr(self, "specials", None) == "fn" and self.signed
+        if self.has_nan and not torch_saturates:  # torch saturates float8_e4m3fn, not e8m0fnu
             return "nan"
         return "saturate"
 

@@ -114,7 +114,8 @@ class FloatFormat(Format):
         return self._max_code_fields()[0] - self.bias
 
     def default_name(self) -> str:
-        suffix = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "none": ""}[self.specials]
+        """A name that get_format() maps back to this format (eXmY[fn|fnuz|_finite][_bN]...)."""
+        suffix = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "none": "_finite"}[self.specials]
         name = f"e{self.exp_bits}m{self.man_bits}{suffix}"
         std_bias = 2 ** (self.exp_bits - 1) - (0 if self.specials == "fnuz" else 1)
         if self.bias != std_bias:
@@ -125,6 +126,10 @@ class FloatFormat(Format):
             name += "_nosub"
         if not self.zero:
             name += "_nozero"
+        from . import registry  # noqa: PLC0415 - the registry is built from this module
+
+        if self.specials == "ieee" and hasattr(registry, "is_taken") and registry.is_taken(name, self):
+            name = name.replace(f"m{self.man_bits}", f"m{self.man_bits}_ieee", 1)
         return name
 
     # --- values -----------------------------------------------------------------------------

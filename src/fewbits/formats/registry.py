@@ -30,6 +30,12 @@ def register(fmt: Format, aliases=(), description: str = "") -> Format:
     return fmt
 
 
+def is_taken(name: str, fmt: Format) -> bool:
+    """Whether `name` already names a different registered format."""
+    key = _norm(name)
+    return key in _ALIASES and _REGISTRY[_ALIASES[key]] != fmt
+
+
 def describe(fmt: Format) -> str:
     return _DESCRIPTIONS.get(fmt.name, "")
 
@@ -71,7 +77,7 @@ for _b in range(2, 9):
     register(IntFormat(_b, False), (f"uint{_b}_t", f"u{_b}"), f"{_b}-bit unsigned integer")
 
 _FLOAT_RE = re.compile(
-    r"^(?:fp(?P<total>\d+))?(?P<u>u)?e(?P<e>\d+)m(?P<m>\d+)(?P<spec>fnuz|fnu|fn|ieee)?(?:b(?P<bias>-?\d+))?"
+    r"^(?:fp(?P<total>\d+))?(?P<u>u)?e(?P<e>\d+)m(?P<m>\d+)(?P<spec>fnuz|fnu|fn|ieee|finite)?(?:b(?P<bias>-?\d+))?"
     r"(?P<nosub>nosub)?$"
 )
 _INT_RE = re.compile(r"^(?P<u>u)?int(?P<bits>\d+)$")
@@ -87,7 +93,7 @@ def _parse(key: str) -> Format | None:
     e, man = int(m["e"]), int(m["m"])
     spec = m["spec"]
     signed = not (m["u"] or spec == "fnu")
-    specials = {None: "ieee", "ieee": "ieee", "fn": "fn", "fnu": "fn", "fnuz": "fnuz"}[spec]
+    specials = {None: "ieee", "ieee": "ieee", "fn": "fn", "fnu": "fn", "fnuz": "fnuz", "finite": "none"}[spec]
     fmt = FloatFormat(e, man, bias=int(m["bias"]) if m["bias"] is not None else None, specials=specials,
                       subnormals=not m["nosub"], signed=signed)
     if m["total"] is not None and int(m["total"]) != fmt.bits:
@@ -99,6 +105,8 @@ def get_format(name) -> Format:
     """The format for a name, an alias, an eXmY/intN spelling, a torch or ml_dtypes dtype, or a Format."""
     if isinstance(name, Format):
         return name
+    if name is None:
+        raise TypeError("get_format() needs a format name (e.g. 'fp8_e4m3'), a dtype or a Format, got None")
     if not isinstance(name, str):
         name = _dtype_name(name)
     key = _norm(name)
@@ -115,7 +123,7 @@ def get_format(name) -> Format:
             names.append(_ALIASES[c])
     hint = f"; did you mean {', '.join(names)}?" if names else ""
     raise ValueError(f"unknown format {name!r}{hint} (fewbits.list_formats() lists them all; "
-                     "any eXmY[fn|fnuz] or intN/uintN name also works)")
+                     "any eXmY[fn|fnuz|finite] or intN/uintN name also works)")
 
 
 def _dtype_name(obj) -> str:

@@ -94,7 +94,7 @@ def f32_thresholds(fmt: LookupFormat, mode: str) -> tuple[float, ...] | None:
     float32 cannot hold). Boundary i decides between v[i-1] and v[i] at m (the midpoint for the
     nearest modes), going up on a tie where the mode says so."""
     v = fmt.table
-    if any(float(np.float32(t)) != t for t in v):
+    if any(abs(t) > 3e38 or float(np.float32(t)) != t for t in v):
         return None
     ties = _tie_up(fmt, mode) if mode in ("nearest_even", "nearest_away") else None
     # toward_zero (for codebooks holding 0): "down" on the positive side, "up" on the negative

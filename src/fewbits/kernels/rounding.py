@@ -18,18 +18,32 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # ---------------------------------------------------------------------------------------------
 # input handling
 # ---------------------------------------------------------------------------------------------
-def _to_torch(x, what="x"):
-    """(tensor, restore) where restore(tensor) gives the caller's type back (numpy in, numpy out)."""
+class _Wrapped:
+    """A caller's array as a torch tensor: `tensor`; `restore(t)` gives a float result back in the
+    caller's type (numpy in, numpy out); `shares` says whether writes to `tensor` reach the
+    caller's memory (False when wrapping needed a copy: bfloat16 or foreign-byte-order numpy
+    arrays, negative strides)."""
+
+    def __init__(self, tensor, restore, shares, is_numpy):
+        self.tensor, self.restore, self.shares, self.is_numpy = tensor, restore, shares, is_numpy
+
+
+def _to_torch(x, what="x") -> _Wrapped:
     if isinstance(x, torch.Tensor):
-        return x, lambda t: t
+        return _Wrapped(x, lambda t: t, True, False)
     if isinstance(x, np.ndarray):
         if x.dtype.name == "bfloat16":  # ml_dtypes
-            t = torch.from_numpy(np.ascontiguousarray(x).view(np.uint16)).view(torch.bfloat16)
             bf = x.dtype
-            return t.reshape(x.shape), lambda r: r.contiguous().view(torch.int16).numpy().view(bf)
+            t = torch.from_numpy(np.ascontiguousarray(x).view(np.uint16)).view(torch.bfloat16).reshape(x.shape)
+            shares = x.flags.c_contiguous
+            return _Wrapped(t, lambda r: r.contiguous().view(torch.int16).numpy().view(bf), shares, True)
         if x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8):
-            arr = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
-            return torch.from_numpy(arr), lambda r: r.numpy()
+            arr, shares = x, True
+            if not x.dtype.isnative:
+                arr, shares = x.astype(x.dtype.newbyteorder("=")), False
+            if any(st < 0 for st in arr.strides):
+                arr, shares = np.ascontiguousarray(arr), False
+            return _Wrapped(torch.from_numpy(arr), lambda r: r.numpy(), shares, True)
         _reject_dtype(x.dtype, what)
     raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
 
@@ -75,18 +89,22 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     out: a tensor of x's shape and dtype to write the result into (may be x itself).
     """
     fmt = get_format(fmt)
-    t, restore = _to_torch(x)
+    wx = _to_torch(x)
+    t = wx.tensor
     _check_float(t)
     check_mode(mode)
     overflow = fmt.check_overflow(overflow)
-    if out is not None:
-        out_t, _ = _to_torch(out, "out")
-        if out_t.shape != t.shape or out_t.dtype != t.dtype or out_t.device != t.device:
-            raise ValueError(f"out has shape {tuple(out_t.shape)}, dtype {out_t.dtype}, device {out_t.device}; "
-                             f"expected {tuple(t.shape)}, {t.dtype}, {t.device}")
-    seed = _mode_seed(mode, generator)
-    result = _round_tensor(t, fmt, mode, overflow, seed, out_t if out is not None else None)
-    return out if out is not None else restore(result)
+    if out is None:
+        return wx.restore(_round_tensor(t, fmt, mode, overflow, _mode_seed(mode, generator)))
+    wo = _to_torch(out, "out")
+    out_t = wo.tensor
+    if out_t.shape != t.shape or out_t.dtype != t.dtype or out_t.device != t.device:
+        raise ValueError(f"out has shape {tuple(out_t.shape)}, dtype {out_t.dtype}, device {out_t.device}; "
+                         f"expected {tuple(t.shape)}, {t.dtype}, {t.device}")
+    _round_tensor(t, fmt, mode, overflow, _mode_seed(mode, generator), out_t)
+    if not wo.shares:  # the array could only be wrapped by copying it: write the result back
+        np.copyto(out, wo.restore(out_t))
+    return out
 
 
 def _round_tensor(t, fmt, mode, overflow, seed, out=None, kind=None):
@@ -127,7 +145,12 @@ def encode(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     numpy out). NaN into a format without NaN raises ValueError.
     """
     fmt = get_format(fmt)
-    t, restore = _to_torch(x)
+    wx = _to_torch(x)
+    t = wx.tensor
+
+    def restore(codes):
+        return codes.numpy() if wx.is_numpy else codes
+
     _check_float(t)
     overflow = fmt.check_overflow(overflow)
     seed = _mode_seed(mode, generator)
@@ -181,6 +204,8 @@ def _float_codes(r: torch.Tensor, fmt: FloatFormat, dom: fr.Domain) -> torch.Ten
 
 @functools.lru_cache(maxsize=128)
 def _decode_table(fmt, device: str) -> torch.Tensor:
+    if isinstance(fmt, LookupFormat):
+        return torch.tensor(fmt.table, dtype=torch.float64, device=device)
     codes = torch.arange(2 ** fmt.bits, dtype=torch.int64, device=device)
     return _decode_formula(codes, fmt)
 
@@ -218,7 +243,8 @@ def _value_dtype(fmt) -> torch.dtype:
         return torch.float32 if fr.fits(fmt, fr.F32) or fr.covers(fmt, fr.F32) else torch.float64
     if isinstance(fmt, IntFormat):
         return torch.float32 if fmt.bits <= 24 else torch.float64
-    return torch.float32
+    exact32 = all(float(np.float32(v)) == v for v in fmt.table if abs(v) < 3e38)
+    return torch.float32 if exact32 and max(abs(v) for v in fmt.table) < 3e38 else torch.float64
 
 
 def decode(codes, fmt, dtype: torch.dtype | None = None):

@@ -1,0 +1,250 @@
+"""Helpers shared by the formats and kernels tests.
+
+- exact comparison of results (NaN by NaN-ness, everything else bit for bit, zeros by sign),
+- the scalar reference (fewbits.formats.round_value / encode_value) applied to a whole tensor, with
+  the same per-element random words the kernels use for stochastic rounding,
+- inputs around every rounding boundary of a format: all its values, all midpoints between
+  neighbours, the float neighbours (nextafter) of both, both signs, and the special inputs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+import fewbits as fb
+from fewbits.formats import FloatFormat, IntFormat, LookupFormat, encode_value, round_value
+from fewbits.kernels.random import draw_seed, random_word_reference
+
+INPUT_DTYPES = (torch.float32, torch.float64)
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+# inputs that every format must handle: zeros, infinities, NaN, tiny and huge values, float32
+# subnormals, float64-only magnitudes (they become 0 or inf when the input is float32)
+SPECIAL_INPUTS = (
+    0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan,
+    1e-30, -1e-30, 2.0 ** -149, -(2.0 ** -149), 2.0 ** -130, 3 * 2.0 ** -140, 2.0 ** -126,
+    3e38, -3e38, 3.4028235e38, 1e300, -1e300, 5e-324, -5e-324, 1e-310, 2.0 ** -1022,
+    0.1, -0.1, 1 / 3, -1 / 3, 0.5, 1.0, -1.0, 1.5, 2.0 ** 20 + 0.5,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+# ---------------------------------------------------------------------------------------------
+def fmt_id(fmt) -> str:
+    return fb.get_format(fmt).name
+
+
+def valid_overflows(fmt) -> list[str]:
+    """The overflow policies a format admits (saturate always; inf/nan where it has them)."""
+    out = []
+    for ovf in fb.OVERFLOW_POLICIES:
+        try:
+            fmt.check_overflow(ovf)
+        except ValueError:
+            continue
+        out.append(ovf)
+    return out
+
+
+def enumerable(fmt) -> bool:
+    return fmt.bits <= 20
+
+
+# ---------------------------------------------------------------------------------------------
+# comparison
+# ---------------------------------------------------------------------------------------------
+def _as_f64(a) -> torch.Tensor:
+    if isinstance(a, np.ndarray):
+        if a.dtype.name == "bfloat16":
+            a = a.astype(np.float32)
+        a = torch.from_numpy(np.ascontiguousarray(a))
+    return a.reshape(-1).to(torch.float64)
+
+
+def same_mask(got, ref) -> torch.Tensor:
+    """Elementwise: both NaN, or equal with the same sign bit (so -0 differs from +0)."""
+    a, b = _as_f64(got), _as_f64(ref)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return (na == nb) & (na | ((a == b) & (torch.signbit(a) == torch.signbit(b))))
+
+
+def assert_same(got, ref, x=None, what: str = "", limit: int = 8):
+    """Assert got equals ref bit for bit (NaN by NaN-ness); report the first mismatches."""
+    ok = same_mask(got, ref)
+    if bool(ok.all()):
+        return
+    bad = (~ok).nonzero().flatten()
+    g, r = _as_f64(got), _as_f64(ref)
+    xs = _as_f64(x) if x is not None else None
+    lines = [f"{what}: {bad.numel()} of {ok.numel()} differ"]
+    for i in bad[:limit].tolist():
+        src = f"x={xs[i].item()!r} " if xs is not None else ""
+        lines.append(f"  [{i}] {src}got={g[i].item()!r} expected={r[i].item()!r}")
+    raise AssertionError("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference on tensors
+# ---------------------------------------------------------------------------------------------
+def seed_pair(seed: int) -> tuple[int, int]:
+    """The seed pair fb.round draws from torch.Generator().manual_seed(seed)."""
+    return draw_seed(torch.Generator().manual_seed(seed))
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_round(x, fmt, mode="nearest_even", overflow=None, seed: int = 0) -> torch.Tensor:
+    """round_value over every element of x (float64 result, x's shape); element i (flat, in
+    logical order) gets random word i of the seed pair drawn from Generator().manual_seed(seed)."""
+    fmt = fb.get_format(fmt)
+    flat = _as_f64(x).tolist()
+    if mode == "stochastic":
+        lo, hi = seed_pair(seed)
+        out = [round_value(v, fmt, mode, overflow, random_word_reference(lo, hi, i)) for i, v in enumerate(flat)]
+    else:
+        out = [round_value(v, fmt, mode, overflow) for v in flat]
+    shape = tuple(x.shape)
+    return torch.tensor(out, dtype=torch.float64).reshape(shape)
+
+
+def reference_encode(x, fmt, mode="nearest_even", overflow=None, seed: int = 0) -> list[int]:
+    fmt = fb.get_format(fmt)
+    flat = _as_f64(x).tolist()
+    if mode == "stochastic":
+        lo, hi = seed_pair(seed)
+        return [encode_value(v, fmt, mode, overflow, random_word_reference(lo, hi, i)) for i, v in enumerate(flat)]
+    return [encode_value(v, fmt, mode, overflow) for v in flat]
+
+
+def check_round(x: torch.Tensor, fmt, mode: str, overflow=None, seed: int = 0, what: str = "", ref=None):
+    """fb.round(x) equals the reference applied to x (then cast to x's dtype) bit for bit."""
+    fmt = fb.get_format(fmt)
+    y = fb.round(x, fmt, mode, overflow, generator=generator(seed))
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and y.shape == x.shape
+    if ref is None:
+        ref = reference_round(x, fmt, mode, overflow, seed)
+    ref = ref.to(x.dtype)
+    assert_same(y, ref, x, what or f"{fmt.name} {mode} overflow={overflow} {x.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs around the rounding boundaries
+# ---------------------------------------------------------------------------------------------
+def unique_bits(t: torch.Tensor) -> torch.Tensor:
+    """Distinct bit patterns of a 1-D float tensor (keeps -0 and +0 apart; one NaN per pattern)."""
+    it = _INT_VIEW[t.dtype]
+    return torch.unique(t.contiguous().view(it)).view(t.dtype)
+
+
+def with_neighbours(t: torch.Tensor) -> torch.Tensor:
+    """t and the next representable values of its dtype below and above each element."""
+    up = torch.nextafter(t, torch.full_like(t, math.inf))
+    down = torch.nextafter(t, torch.full_like(t, -math.inf))
+    return torch.cat([t, up, down])
+
+
+def _next_up_unbounded(fmt, v: float) -> float:
+    """The value after fmt.max with an unbounded exponent range (the overflow midpoint's partner)."""
+    if isinstance(fmt, FloatFormat):
+        ex = math.floor(math.log2(v))
+        return v + 2.0 ** (ex - fmt.man_bits)
+    if isinstance(fmt, IntFormat):
+        return v + 1.0
+    return v * 2.0
+
+
+def format_specials(fmt) -> list[float]:
+    """Inputs at the edges of fmt: beyond max (the overflow midpoint, just above it, far above),
+    around the smallest positive value, around the lowest value."""
+    top = fmt.max
+    nxt = _next_up_unbounded(fmt, top)
+    pts = [top * 2, top * (1 + 2.0 ** -20), (top + nxt) / 2, nxt, top * 1e10]
+    small = getattr(fmt, "min_positive", None) or fmt.min_normal or 1.0
+    pts += [small / 2, small * 0.75, small * 1.5, small / 1024, small * 0.25]
+    lowest = fmt.lowest
+    pts += [lowest - abs(lowest) * 0.5 - 1, lowest * 1.0001]
+    return pts + [-p for p in pts]
+
+
+def _finish_inputs(base: torch.Tensor, dtype) -> torch.Tensor:
+    t = unique_bits(base.to(dtype))
+    return unique_bits(with_neighbours(t))
+
+
+@functools.lru_cache(maxsize=256)
+def boundary_inputs(fmt, dtype=torch.float32) -> torch.Tensor:
+    """Every value of fmt, every midpoint of neighbouring values, their dtype neighbours, both
+    signs, the special inputs and the format's edges (enumerable formats: at most 20 bits)."""
+    vals = fmt.values()
+    mids = (vals[1:] + vals[:-1]) / 2  # exact in float64 for every format fewbits enumerates
+    base = torch.cat([vals, mids, torch.tensor(SPECIAL_INPUTS + tuple(format_specials(fmt)), dtype=torch.float64)])
+    if not fmt.signed:
+        base = torch.cat([base, -base])
+    return _finish_inputs(base, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def boundary_reference(fmt, dtype, mode: str, overflow, seed: int) -> torch.Tensor:
+    """reference_round over boundary_inputs(fmt, dtype), computed once per session."""
+    return reference_round(boundary_inputs(fmt, dtype), fmt, mode, overflow, seed)
+
+
+def check_boundaries(fmt, dtype, mode: str, overflow, seed: int = 7, what: str = ""):
+    """check_round over boundary_inputs, sharing the (slow) reference between backends."""
+    check_round(boundary_inputs(fmt, dtype), fmt, mode, overflow, seed, what,
+                ref=boundary_reference(fmt, dtype, mode, overflow, seed))
+
+
+def _code_points(fmt, codes) -> list[float]:
+    """Values of the given codes and the midpoints to the next code of the same sign."""
+    pts = []
+    top = 2 ** fmt.bits
+    for c in codes:
+        v = fmt.decode_code(c)
+        pts.append(v)
+        if not math.isfinite(v) or c + 1 >= top:
+            continue
+        if isinstance(fmt, FloatFormat):
+            if fmt.code_kind(c + 1) != "finite" or fmt.split_code(c + 1)[0] != fmt.split_code(c)[0]:
+                continue
+        w = fmt.decode_code(c + 1)
+        pts.append(float((Fraction(v) + Fraction(w)) / 2))
+    return pts
+
+
+def sampled_boundary_inputs(fmt, dtype, n: int = 1500, seed: int = 0) -> torch.Tensor:
+    """Like boundary_inputs, for a deterministic random sample of n codes (wide formats)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2 ** fmt.bits, n, dtype=np.uint64).tolist()
+    pts = _code_points(fmt, [int(c) for c in codes])
+    if isinstance(fmt, FloatFormat):
+        m = fmt.man_bits
+        edge = list(range(0, 4)) + [2 ** m - 1, 2 ** m, 2 ** m + 1]
+        sign = 1 << (fmt.bits - 1) if fmt.signed else 0
+        edge += [c | sign for c in edge]
+        pts += _code_points(fmt, edge)
+    base = torch.tensor(pts + list(SPECIAL_INPUTS) + format_specials(fmt), dtype=torch.float64)
+    if not fmt.signed:
+        base = torch.cat([base, -base])
+    return _finish_inputs(base, dtype)
+
+
+def random_wide_floats(n: int, seed: int, dtype=torch.float64, lo: int = -160, hi: int = 140) -> torch.Tensor:
+    """n random values spread over many binades (every sign, magnitude from 2^lo to 2^hi)."""
+    g = torch.Generator().manual_seed(seed)
+    mant = torch.randn(n, generator=g, dtype=torch.float64)
+    ex = torch.randint(lo, hi, (n,), generator=g).to(torch.float64)
+    return (mant * torch.exp2(ex)).to(dtype)
+
+
+def code_bits_of(fmt) -> int:
+    return 2 ** fmt.bits if not isinstance(fmt, LookupFormat) else fmt.num_values
