@@ -266,10 +266,13 @@ def _pow2_bits(a, neg, p, mode: str, P: int, itype, fdtype):
     k = P - sub
     kept = a >> k
     lower = a & ((torch.ones_like(a) << k) - 1)
-    if mode == "nearest_even":  # written out: ties below 2^emin stay (both candidates are even)
+    if mode in ("nearest_even", "nearest_away"):  # written out (faster code from inductor)
         half = (torch.ones_like(a) << k) >> 1
-        odd = ((kept ^ p[I_PFLIP]) & 1) * (1 - sub)
-        inc = ((lower > half) | ((lower == half) & (lower != 0) & (odd == 1))).to(itype)
+        if mode == "nearest_away":
+            inc = ((lower >= half) & (lower != 0)).to(itype)
+        else:  # ties below 2^emin stay: both candidates have even codes there
+            odd = ((kept ^ p[I_PFLIP]) & 1) * (1 - sub)
+            inc = ((lower > half) | ((lower == half) & (lower != 0) & (odd == 1))).to(itype)
     else:
         inc = _increment(mode, lower, kept, neg, k, k, p, 0, itype)
     return (kept + inc) << k

@@ -136,17 +136,21 @@ def _codes_f32(x, thresholds: tuple):
 
 
 def _neighbours_f32(xf, values: tuple, th_down: tuple, th_up: tuple):
-    """(lo, hi, code_lo, code_hi): the table values just below/above x (equal when x is one)."""
+    """(lo, hi, code_lo, code_hi): the table values just below/above x (equal when x is one, or
+    beyond either end). One comparison per boundary: lo is the last value <= x, hi its successor
+    unless x equals lo."""
     lo = torch.full_like(xf, values[0])
-    hi = torch.full_like(xf, values[0])
+    nxt = torch.full_like(xf, values[1])
     c_lo = torch.zeros_like(xf, dtype=torch.int32)
-    c_hi = torch.zeros_like(xf, dtype=torch.int32)
-    for i, (v, td, tu) in enumerate(zip(values[1:], th_down, th_up), start=1):
-        lo = torch.where(xf > td, v, lo)
-        hi = torch.where(xf > tu, v, hi)
-        c_lo = torch.where(xf > td, i, c_lo)
-        c_hi = torch.where(xf > tu, i, c_hi)
-    return lo, hi, c_lo, c_hi
+    last = len(values) - 1
+    for i, td in enumerate(th_down, start=1):
+        c = xf > td  # x >= values[i]
+        lo = torch.where(c, values[i], lo)
+        nxt = torch.where(c, values[min(i + 1, last)], nxt)
+        c_lo = c_lo + c.to(torch.int32)
+    above = (xf > lo) & (nxt != lo)
+    hi = torch.where(above, nxt, lo)
+    return lo, hi, c_lo, c_lo + above.to(torch.int32)
 
 
 def _pair_codes_f32(x, seed, mode: str, values: tuple, th_down: tuple, th_up: tuple):
