@@ -5,3 +5,16 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+import pytest  # noqa: E402
+
+import fewbits as fb  # noqa: E402
+
+
+@pytest.fixture
+def eager_kernels():
+    """Eager kernels: the compiled ones are specialised per format and take seconds each to
+    compile; they are compared with the reference in test_round_exact.py."""
+    with fb.use_backend("eager"):
+        yield

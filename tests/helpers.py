@@ -248,3 +248,23 @@ def random_wide_floats(n: int, seed: int, dtype=torch.float64, lo: int = -160, h
 
 def code_bits_of(fmt) -> int:
     return 2 ** fmt.bits if not isinstance(fmt, LookupFormat) else fmt.num_values
+
+
+# fewbits name -> (ml_dtypes / numpy type name, torch dtype name or None): the formats the oracles share
+ORACLE_TYPES = {
+    "bf16": ("bfloat16", "bfloat16"),
+    "fp16": ("float16", "float16"),
+    "fp32": ("float32", "float32"),
+    "fp64": ("float64", "float64"),
+    "fp8_e4m3": ("float8_e4m3fn", "float8_e4m3fn"),
+    "fp8_e4m3_ieee": ("float8_e4m3", None),
+    "fp8_e4m3fnuz": ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    "fp8_e4m3b11fnuz": ("float8_e4m3b11fnuz", None),
+    "fp8_e5m2": ("float8_e5m2", "float8_e5m2"),
+    "fp8_e5m2fnuz": ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    "fp8_e3m4": ("float8_e3m4", None),
+    "fp6_e3m2": ("float6_e3m2fn", None),
+    "fp6_e2m3": ("float6_e2m3fn", None),
+    "fp4_e2m1": ("float4_e2m1fn", None),
+    "e8m0": ("float8_e8m0fnu", "float8_e8m0fnu"),
+}

@@ -10,30 +10,13 @@ import torch
 import fewbits as fb
 from fewbits import FloatFormat, IntFormat, LookupFormat
 from fewbits.formats import aliases_of, decode_value
-from helpers import assert_same, fmt_id
+from helpers import ORACLE_TYPES, assert_same, fmt_id
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 ALL = fb.list_formats()
 
-# fewbits name -> (ml_dtypes type name, torch dtype name or None)
-SHARED = {
-    "bf16": ("bfloat16", "bfloat16"),
-    "fp16": ("float16", "float16"),
-    "fp32": ("float32", "float32"),
-    "fp64": ("float64", "float64"),
-    "fp8_e4m3": ("float8_e4m3fn", "float8_e4m3fn"),
-    "fp8_e4m3_ieee": ("float8_e4m3", None),
-    "fp8_e4m3fnuz": ("float8_e4m3fnuz", "float8_e4m3fnuz"),
-    "fp8_e4m3b11fnuz": ("float8_e4m3b11fnuz", None),
-    "fp8_e5m2": ("float8_e5m2", "float8_e5m2"),
-    "fp8_e5m2fnuz": ("float8_e5m2fnuz", "float8_e5m2fnuz"),
-    "fp8_e3m4": ("float8_e3m4", None),
-    "fp6_e3m2": ("float6_e3m2fn", None),
-    "fp6_e2m3": ("float6_e2m3fn", None),
-    "fp4_e2m1": ("float4_e2m1fn", None),
-    "e8m0": ("float8_e8m0fnu", "float8_e8m0fnu"),
-}
+SHARED = ORACLE_TYPES
 
 
 def np_type(name):

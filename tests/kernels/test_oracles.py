@@ -18,36 +18,16 @@ import pytest
 import torch
 
 import fewbits as fb
-from helpers import (assert_same, boundary_inputs, generator, random_wide_floats, reference_round,
+from helpers import (ORACLE_TYPES, assert_same, boundary_inputs, generator, random_wide_floats, reference_round,
                      same_mask)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
-@pytest.fixture(autouse=True)
-def _eager_kernels():
-    """Eager kernels: the compiled ones are specialised per format and take seconds each to
-    compile; they are compared with the reference in test_round_exact.py."""
-    with fb.use_backend("eager"):
-        yield
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
-# fewbits name -> (ml_dtypes / numpy type name, torch dtype name or None)
-SHARED = {
-    "bf16": ("bfloat16", "bfloat16"),
-    "fp16": ("float16", "float16"),
-    "fp8_e4m3": ("float8_e4m3fn", "float8_e4m3fn"),
-    "fp8_e4m3_ieee": ("float8_e4m3", None),
-    "fp8_e4m3fnuz": ("float8_e4m3fnuz", "float8_e4m3fnuz"),
-    "fp8_e4m3b11fnuz": ("float8_e4m3b11fnuz", None),
-    "fp8_e5m2": ("float8_e5m2", "float8_e5m2"),
-    "fp8_e5m2fnuz": ("float8_e5m2fnuz", "float8_e5m2fnuz"),
-    "fp8_e3m4": ("float8_e3m4", None),
-    "fp6_e3m2": ("float6_e3m2fn", None),
-    "fp6_e2m3": ("float6_e2m3fn", None),
-    "fp4_e2m1": ("float4_e2m1fn", None),
-    "e8m0": ("float8_e8m0fnu", "float8_e8m0fnu"),
-}
+SHARED = {k: v for k, v in ORACLE_TYPES.items() if k not in ("fp32", "fp64")}
 NO_NAN = ["fp6_e3m2", "fp6_e2m3", "fp4_e2m1"]
 ML_PLAIN = [n for n in SHARED if n != "e8m0"]
 TORCH_PLAIN = [n for n, (_, t) in SHARED.items() if t and n != "e8m0"]

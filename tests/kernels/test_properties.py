@@ -18,12 +18,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _eager_kernels():
-    """Eager kernels: the compiled ones are specialised per format and take seconds each to
-    compile; they are compared with the reference in test_round_exact.py."""
-    with fb.use_backend("eager"):
-        yield
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 DETERMINISTIC = ["nearest_even", "nearest_away", "toward_zero", "up", "down"]
