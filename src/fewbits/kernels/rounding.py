@@ -59,7 +59,7 @@ def _check_float(t: torch.Tensor, what="x"):
 
 
 def _domain_for(fmt, dtype) -> fr.Domain | None:
-    """The integer domain to round in, or None when fmt holds every value of dtype (identity)."""
+    """The float domain (float32 or float64) whose integer bits fmt is rounded in."""
     dom = fr.F64 if dtype == torch.float64 else fr.F32
     if dom is fr.F32 and not fr.fits(fmt, fr.F32):
         dom = fr.F64
