@@ -1,13 +1,16 @@
 """Bit-exact rounding of float32/float64 values to any FloatFormat or IntFormat.
 
-The value is taken apart as integers (sign, exponent field, significand), the dropped bits are
-rounded in integer arithmetic in every mode, and the result is put back together as a value of
-the input's own floating type (the "domain"). No floating-point arithmetic touches the value, so
-the result is exact whatever the compiler's float flags, and float64 input is rounded directly.
+The value is taken apart as integers (sign, exponent field, significand) in the input's own
+floating type (the "domain": float32 for float16/bfloat16/float32 input, float64 for float64, or
+float64 where the format needs it), rounded in every mode, and put back together. float64 input
+is rounded directly. Which arithmetic does the rounding depends on the format (`kernel_kind`):
+integer bit arithmetic, or an exact power-of-two scaling around the CPU's round/floor/ceil; both
+are exact (inductor compiles without unsafe float flags; subnormals must not be flushed, torch's
+default).
 
-The format enters only through a small integer parameter vector (see `float_params`), so one
-compiled kernel per (domain, mode) serves every format. `IntFormat` is the special case whose
-values are all "subnormal" with quantum 1.
+The rounding reads the format from a small integer vector (`float_params`); the overflow and
+special-value step (`_finish`) takes its constants at compile time (`finish_spec`), which keeps
+that step cheap. `IntFormat` is the special case whose values are all "subnormal" with step 1.
 
 Semantics are those of fewbits.formats.reference (the definition); tests compare bit for bit.
 """
@@ -120,7 +123,7 @@ def _max_exponent(fmt) -> int:
 
 
 def kernel_kind(fmt, dom: Domain) -> str:
-    """Which of the three kernels rounds fmt in this domain (all give identical results):
+    """Which kernel rounds fmt in this domain (all give identical results):
     'fixed'   formats with the domain's own exponent range and subnormals (bf16, tf32 from
               float32): drop a fixed number of mantissa bits in integer arithmetic;
     'scaled'  formats whose smallest step is a normal number of the domain and at most 1 (fp16,
