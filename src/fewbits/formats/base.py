@@ -6,7 +6,6 @@ these descriptors. Subclasses: FloatFormat, IntFormat, LookupFormat.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from fractions import Fraction
 
@@ -146,12 +145,3 @@ class Format(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
-
-def exact(x) -> Fraction:
-    """A finite Python number as an exact Fraction."""
-    if isinstance(x, Fraction):
-        return x
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            raise ValueError("not finite")
-    return Fraction(x)

@@ -98,7 +98,6 @@ def round_value(x: float, fmt: Format, mode: str = "nearest_even", overflow: str
         return x
     negative = math.copysign(1.0, x) < 0
     mmode = _magnitude_mode(mode, negative)
-    sign = -1.0 if negative else 1.0
     top = _top(fmt, negative)
 
     if math.isinf(x):

@@ -68,7 +68,6 @@ def compiled(fn):
                               "running eager kernels (slower, same results)", RuntimeWarning, stacklevel=3)
         return fn(*args, **static)
 
-    run.eager = fn
     return run
 
 

@@ -184,17 +184,6 @@ def _random_words_like(t, p):
     return random_words(idx, p[I_SEEDLO].to(torch.int64), p[I_SEEDHI].to(torch.int64))
 
 
-def _towards_zero_mask(mode: str, neg):
-    """Where the magnitude is rounded toward zero (such results never overflow to inf/NaN)."""
-    if mode == "toward_zero":
-        return torch.ones_like(neg)
-    if mode == "up":
-        return neg
-    if mode == "down":
-        return ~neg
-    return torch.zeros_like(neg)
-
-
 def _generic_bits(a, neg, p, mode: str, P: int, itype, fdtype):
     """Magnitude bits of the rounded value, any format: integer arithmetic, per-element shift."""
     m, m_sub, emin_b, pflip = p[I_M], p[I_MSUB], p[I_EMINB], p[I_PFLIP]

@@ -196,7 +196,6 @@ def plot_value_ranges(formats, ax, xlim=None, legend_outside: bool | None = None
     leave the plotted window end in an arrow labelled with the true end."""
     fmts = _formats(formats)
     xlo, xhi = xlim or _auto_xlim(fmts)
-    lxlo, lxhi = math.log10(xlo), math.log10(xhi)
     for row, fmt in enumerate(fmts):
         y = -row
         vals = positive_values(fmt)
