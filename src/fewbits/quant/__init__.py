@@ -1,0 +1,5 @@
+"""Quantization: schemes, quantized tensors, quantized modules, model-level tools, file I/O."""
+from .scheme import QuantScheme, get_scheme, list_schemes
+from .tensor import QuantizedTensor, quantize
+
+__all__ = ["QuantScheme", "QuantizedTensor", "get_scheme", "list_schemes", "quantize"]

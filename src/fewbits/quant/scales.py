@@ -1,0 +1,232 @@
+"""Scale choice: absmax, percentile and MSE-optimal scales, MX E8M0 exponents, NVFP4 two-level
+scales, integer zero points, and QLoRA double quantization of the scales.
+
+Every function here works on a group view: a float32 tensor [rows, groups, group_size] (see
+QuantScheme's layout rule), with a boolean mask of the real (non-padding) entries where padding
+matters. The arithmetic is spelled out because two oracles fix it bit for bit:
+- elements are scaled as x * (1 / scale) in float32, then rounded (bitsandbytes' NF4 and
+  torchao's NVFP4 do the same; for MX's power-of-two scales it is exact);
+- MX exponents follow torchao's `to_mx` in each ScaleCalculationMode (floor, ceil, even, rceil).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import IntFormat, get_format
+from ..kernels import decode, encode, round as fb_round
+from .scheme import DOUBLE_QUANT_BLOCK, QuantScheme, scale_format_of
+
+_E8M0_BIAS = 127
+_F32_MIN_NORMAL = 2.0 ** -126
+_MSE_RATIOS = torch.linspace(1.0, 0.5, 21).tolist()
+
+
+def element_max(scheme: QuantScheme) -> float:
+    """The largest magnitude the element grid reaches on the positive side (int4: 7; nf4: 1)."""
+    return float(scheme.format.max)
+
+
+def group_amax(g: torch.Tensor) -> torch.Tensor:
+    """max |x| per group -> [rows, groups]. NaN propagates (a NaN group gets a NaN scale)."""
+    return g.abs().amax(dim=-1) if g.shape[-1] else g.new_zeros(g.shape[:-1])
+
+
+def group_percentile(g: torch.Tensor, valid: torch.Tensor | None, q: float) -> torch.Tensor:
+    """The q-th percentile of |x| over the real entries of each group (nearest rank) -> [rows, groups]."""
+    a = g.abs()
+    if valid is not None:
+        a = torch.where(valid, a, torch.tensor(float("nan")))
+    s, _ = torch.sort(a, dim=-1)  # NaN (padding) sorts last
+    n = valid.sum(-1) if valid is not None else torch.full(a.shape[:-1], a.shape[-1])
+    k = (torch.ceil(n.to(torch.float64) * (q / 100.0)).to(torch.int64) - 1).clamp(min=0)
+    k = torch.minimum(k, (n - 1).clamp(min=0))
+    return s.gather(-1, k.unsqueeze(-1)).squeeze(-1).nan_to_num(0.0)
+
+
+def round_scales(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """Scales rounded to their storage format (nearest even, saturating), as float32 values."""
+    if scale_format == "fp32":
+        return scale
+    fmt = scale_format_of(scale_format)
+    return fb_round(scale, fmt, overflow="saturate")
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale with zero scales mapped to 1 (an all-zero group stays zero either way)."""
+    return 1.0 / torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# symmetric and asymmetric scales
+# ---------------------------------------------------------------------------------------------
+def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequantize) -> torch.Tensor:
+    """Float32 scales [rows, groups] by the scheme's scale_method, rounded to its scale format.
+
+    quantize_dequantize(g, scale) -> the dequantized group view (used by the MSE search).
+    """
+    emax = element_max(scheme)
+    if scheme.scale_method == "percentile":
+        amax = group_percentile(g, valid, scheme.percentile)
+    else:
+        amax = group_amax(g)
+    base = amax / emax
+    if scheme.scale_method != "mse":
+        return round_scales(base, scheme.scale_format)
+    return _mse_search(g, valid, scheme, lambda r: round_scales(base * r, scheme.scale_format),
+                       quantize_dequantize)
+
+
+def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequantize):
+    """(scale float32, zero_point int64) [rows, groups] for an unsigned grid 0..2^b-1.
+
+    The range always contains 0, so zero is exact: lo = min(min, 0), hi = max(max, 0);
+    scale = (hi - lo) / (2^b - 1); zero_point = round(-lo / scale).
+    """
+    qmax = float(2 ** scheme.format.bits - 1)
+    big = torch.tensor(float("inf"))
+    lo_src = torch.where(valid, g, big) if valid is not None else g
+    hi_src = torch.where(valid, g, -big) if valid is not None else g
+    lo = lo_src.amin(-1).clamp(max=0.0) if g.shape[-1] else g.new_zeros(g.shape[:-1])
+    hi = hi_src.amax(-1).clamp(min=0.0) if g.shape[-1] else g.new_zeros(g.shape[:-1])
+    if scheme.scale_method == "percentile":
+        p = scheme.percentile
+        hi = torch.minimum(hi, group_percentile(g.clamp(min=0), valid, p))
+        lo = torch.maximum(lo, -group_percentile(g.clamp(max=0), valid, p))
+
+    def params(r):
+        scale = round_scales((hi - lo) * r / qmax, scheme.scale_format)
+        zp = torch.round(-lo * r * reciprocal(scale)).clamp(0, qmax)
+        return scale, zp
+
+    if scheme.scale_method != "mse":
+        s, z = params(1.0)
+        return s, z.to(torch.int64)
+    s, z = _mse_search(g, valid, scheme, params, quantize_dequantize)
+    return s, z.to(torch.int64)
+
+
+def _mse_search(g, valid, scheme, candidate, quantize_dequantize):
+    """Per group, the clipping ratio r in [0.5, 1] (21 steps) whose quantization has the least
+    squared error. candidate(r) -> scale (or (scale, zero_point))."""
+    best_err = best = None
+    for r in _MSE_RATIOS:
+        c = candidate(r)
+        err = (quantize_dequantize(g, c) - g).square()
+        if valid is not None:
+            err = torch.where(valid, err, 0.0)
+        err = err.sum(-1)
+        if best is None:
+            best_err, best = err, c
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        if isinstance(c, tuple):
+            best = tuple(torch.where(better, ci, bi) for ci, bi in zip(c, best))
+        else:
+            best = torch.where(better, c, best)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# MX: E8M0 shared exponents (torchao to_mx semantics, per scaling mode)
+# ---------------------------------------------------------------------------------------------
+def _emax_pow2(fmt) -> int:
+    """Exponent of the element format's largest power of two (e4m3 448 -> 8, e2m1 6 -> 2)."""
+    return math.floor(math.log2(fmt.max))
+
+
+def mx_scale_codes(amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """E8M0 codes (biased exponents, uint8) of the MX block scales, from float32 block amax."""
+    fmt = scheme.format
+    mode = scheme.mx_scale_mode
+    amax = amax.to(torch.float32)
+    nan = torch.isnan(amax)
+    if mode == "rceil":
+        descale = amax / fmt.max
+        e = torch.ceil(torch.log2(descale)).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
+        e = torch.where(torch.isinf(descale), 254.0, e)
+        return torch.where(nan, 255.0, e).to(torch.uint8)
+    bits = amax.view(torch.int32)
+    if mode == "even":  # round amax to the element's mantissa width first
+        m = fmt.man_bits
+        bits = (bits + (1 << (23 - m - 1))) & -(1 << 23)  # keep sign and exponent
+    pow2 = ((bits >> 23) & 0xFF) - 127
+    if mode == "ceil":
+        pow2 = pow2 + ((bits & 0x7FFFFF) > 0).to(pow2.dtype)
+    e = (pow2 - _emax_pow2(fmt)).clamp(-_E8M0_BIAS, _E8M0_BIAS + 1) + _E8M0_BIAS
+    return torch.where(nan, 255, e).to(torch.uint8)
+
+
+def mx_scale_values(codes: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """The float32 scale the elements are divided by: 2^(code-127), in torchao's convention
+    (floor/ceil/even: clamped to the smallest normal float32; rceil: code 0 means 1)."""
+    c = codes.to(torch.int32)
+    if scheme.mx_scale_mode == "rceil":
+        v = torch.exp2(c.to(torch.float32) - _E8M0_BIAS)
+        return torch.where(c == 0, torch.ones_like(v), v)
+    v = (c << 23).view(torch.float32)
+    return v.clamp(min=_F32_MIN_NORMAL)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4: E4M3 block scales times a float32 tensor scale (torchao nvfp4_quantize semantics)
+# ---------------------------------------------------------------------------------------------
+_E4M3 = get_format("fp8_e4m3")
+_E4M3_TINY = 2.0 ** -6  # torchao clamps block scales to torch.finfo(float8_e4m3fn).tiny
+
+
+def nvfp4_scales(g: torch.Tensor, scheme: QuantScheme):
+    """(tensor_scale float32 scalar, block scale E4M3 codes uint8, element multiplier float32).
+
+    tensor_scale = amax / (448 * 6); block = e4m3(clamp(block_amax / 6 / tensor_scale));
+    elements are x * ((1 / tensor_scale) / block), as NVIDIA's recipe and torchao compute it.
+    """
+    emax = element_max(scheme)
+    amax = g.abs().amax() if g.numel() else torch.tensor(0.0)
+    ts = (amax.to(torch.float32) / (_E4M3.max * emax)).reshape(())
+    ts = torch.where(ts == 0, torch.ones_like(ts), ts)  # an all-zero tensor: any scale works
+    block = group_amax(g) / emax / ts
+    block = fb_round(block.clamp(min=_E4M3_TINY, max=_E4M3.max), _E4M3, overflow="saturate")
+    codes = encode(block, _E4M3)
+    mult = (1.0 / ts) / block
+    return ts, codes, mult
+
+
+def nvfp4_scale_values(codes: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    return decode(codes, _E4M3) * tensor_scale
+
+
+# ---------------------------------------------------------------------------------------------
+# double quantization of the scales (QLoRA)
+# ---------------------------------------------------------------------------------------------
+def double_quantize(scales: torch.Tensor):
+    """float32 scales (any shape) -> (int8 codes [n], float32 block scales [blocks], float32 offset).
+
+    The scales minus their mean are quantized to int8 (symmetric absmax, nearest even) in blocks
+    of 256 values, as QLoRA does for NF4's block absmax (bitsandbytes uses its own 8-bit
+    dynamic code; fewbits uses plain int8, which costs the same bits).
+    """
+    flat = scales.reshape(-1).to(torch.float32)
+    offset = flat.mean() if flat.numel() else torch.tensor(0.0)
+    d = flat - offset
+    n = d.numel()
+    blocks = -(-n // DOUBLE_QUANT_BLOCK)
+    pad = blocks * DOUBLE_QUANT_BLOCK - n
+    dp = torch.nn.functional.pad(d, (0, pad)).reshape(blocks, DOUBLE_QUANT_BLOCK)
+    bscale = dp.abs().amax(-1) / 127.0
+    q = torch.round(dp * reciprocal(bscale)[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(-1)[:n].clone(), bscale, offset.reshape(())
+
+
+def double_dequantize(codes: torch.Tensor, bscale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    n = codes.numel()
+    blocks = bscale.numel()
+    pad = blocks * DOUBLE_QUANT_BLOCK - n
+    q = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).reshape(blocks, DOUBLE_QUANT_BLOCK)
+    return (q * bscale[:, None]).reshape(-1)[:n] + offset
+
+
+def is_int(scheme: QuantScheme) -> bool:
+    return isinstance(scheme.format, IntFormat)

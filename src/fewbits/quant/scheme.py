@@ -1,0 +1,363 @@
+"""QuantScheme: how a tensor is quantized, and the named presets.
+
+A scheme is data, like a format: element format x granularity x symmetry x scale format x scale
+choice x rounding mode x double quantization. Everything a QuantizedTensor holds follows from
+its scheme and the tensor's shape, so the true bits per value (scales and zero points included)
+are known before anything is quantized.
+
+Layout rule (shared by every granularity). A tensor is viewed as a matrix [rows, cols]:
+- "tensor":  rows = 1, cols = numel, one scale;
+- "channel": the `axis` dimension moved first, rows = its length, one scale per row;
+- "group" / "mx" / "nvfp4": rows = numel / last-dim, cols = the last dim (for an nn.Linear
+  weight [out, in]: groups run along the input dimension), padded with zeros to a multiple of
+  the group size; one scale per group per row.
+Scales therefore always have shape [rows, groups]. Codes are stored row-major over the padded
+matrix and packed into bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+
+from ..formats import FloatFormat, Format, IntFormat, LookupFormat, MODES, get_format
+
+GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
+SCALE_FORMATS = ("fp32", "fp16", "bf16", "e8m0", "e4m3", "none")
+SCALE_METHODS = ("absmax", "percentile", "mse")
+MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
+DOUBLE_QUANT_BLOCK = 256  # QLoRA: the group scales are quantized to int8 in blocks of 256
+
+_SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8, "none": 0}
+_SCALE_FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "e8m0": "e8m0", "e4m3": "fp8_e4m3"}
+
+
+def code_nbytes(count: int, bits: int) -> int:
+    """Bytes that `count` element codes take: packed for formats of up to 8 bits, else 2 each."""
+    return -(-count * bits // 8) if bits <= 8 else 2 * count
+
+
+def scale_format_of(name: str) -> Format:
+    """The fewbits format a scale is stored in."""
+    return get_format(_SCALE_FORMAT_NAMES[name])
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How to quantize a tensor. See the module docstring for the layout rule.
+
+    format: element format (any fewbits format or its name).
+    granularity: tensor | channel | group | mx (OCP MX, blocks of 32, E8M0 scale) |
+        nvfp4 (blocks of 16, E4M3 block scale times a float32 tensor scale).
+    axis: the channel axis for "channel" (0: the output channels of an nn.Linear weight).
+    group_size: values per scale for group / mx / nvfp4 (default 128 / 32 / 16).
+    symmetric: False for an unsigned integer grid with an integer zero point (integers only).
+    scale_format: fp32 | fp16 | bf16 | e8m0 | e4m3 | none (plain cast: no scale at all).
+    scale_method: absmax | percentile (clip at that percentile of |x| per group) | mse (search
+        the clipping ratio that minimizes the squared error per group).
+    mx_scale_mode: floor | ceil | even | rceil, as in torchao's MX casts (E8M0 scales only).
+    mode: element rounding mode; stochastic rounding draws from `seed`.
+    double_quant: QLoRA double quantization: the group scales minus their mean are quantized to
+        int8 in blocks of 256, each block with a float32 scale.
+    activations: for w8a8-style schemes, the dynamic per-token scheme of the activations.
+    """
+
+    format: Format | str
+    granularity: str = "channel"
+    axis: int = 0
+    group_size: int | None = None
+    symmetric: bool = True
+    scale_format: str = "fp32"
+    scale_method: str = "absmax"
+    percentile: float = 99.9
+    mx_scale_mode: str = "floor"
+    mode: str = "nearest_even"
+    seed: int = 0
+    double_quant: bool = False
+    activations: QuantScheme | None = None
+    name: str | None = None
+
+    def __post_init__(self):
+        fmt = get_format(self.format)
+        object.__setattr__(self, "format", fmt)
+        g = self.granularity
+        if g not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {g!r}")
+        if g in ("mx", "nvfp4"):
+            want = "e8m0" if g == "mx" else "e4m3"
+            if self.scale_format not in (want, "fp32"):  # fp32: the default, not a choice
+                raise ValueError(f"granularity {g!r} uses {want} scales, got scale_format={self.scale_format!r}")
+            object.__setattr__(self, "scale_format", want)
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", 32 if g == "mx" else 16)
+            if not isinstance(fmt, FloatFormat):
+                raise ValueError(f"{g} blocks take a float element format (e.g. e2m1, e4m3), got {fmt.name}")
+        if g == "group" and self.group_size is None:
+            object.__setattr__(self, "group_size", 128)
+        if g in ("group", "mx", "nvfp4"):
+            gs = self.group_size
+            if not isinstance(gs, int) or isinstance(gs, bool) or gs < 1:
+                raise ValueError(f"group_size must be a positive int, got {gs!r}")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size applies to group/mx/nvfp4 granularity, not {g!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(f"scale_format must be one of {', '.join(SCALE_FORMATS)}, got {self.scale_format!r}")
+        if self.scale_format == "none":
+            if g != "tensor" or not isinstance(fmt, FloatFormat) or self.double_quant:
+                raise ValueError("scale_format='none' (a plain cast) needs granularity='tensor', a float "
+                                 "format and no double quantization")
+        if self.scale_format == "e8m0" and g != "mx":
+            raise ValueError("e8m0 scales are the MX block scale: use granularity='mx'")
+        if self.scale_method not in SCALE_METHODS:
+            raise ValueError(f"scale_method must be one of {', '.join(SCALE_METHODS)}, got {self.scale_method!r}")
+        if g == "mx" and self.scale_method != "absmax":
+            raise ValueError("MX scales are set by mx_scale_mode (floor/ceil/even/rceil), not scale_method")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.mx_scale_mode not in MX_SCALE_MODES:
+            raise ValueError(f"mx_scale_mode must be one of {', '.join(MX_SCALE_MODES)}, got {self.mx_scale_mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.symmetric:
+            if not isinstance(fmt, IntFormat):
+                raise ValueError(f"asymmetric quantization (a zero point) needs an integer format, got {fmt.name}")
+            if g in ("mx", "nvfp4"):
+                raise ValueError(f"{g} blocks are symmetric")
+            if fmt.bits > 8:
+                raise ValueError("asymmetric formats of more than 8 bits are not supported")
+        if isinstance(fmt, IntFormat) and self.symmetric and not fmt.signed:
+            raise ValueError(f"{fmt.name} is unsigned: use a signed format, or symmetric=False for a zero point")
+        if fmt.bits > 16:
+            raise ValueError(f"{fmt.name} has {fmt.bits} bits: quantization stores formats of ≤16 bits")
+        if self.double_quant and self.scale_format not in ("fp32", "fp16", "bf16"):
+            raise ValueError("double quantization applies to float scales (fp32/fp16/bf16)")
+        if self.activations is not None and not isinstance(self.activations, QuantScheme):
+            raise TypeError("activations must be a QuantScheme or None")
+
+    # --- derived --------------------------------------------------------------------------
+    @property
+    def element_bits(self) -> int:
+        return self.format.bits
+
+    @property
+    def label(self) -> str:
+        return self.name or self.describe()
+
+    def describe(self) -> str:
+        """A short human description, e.g. 'int4 group 128 asym, fp32 scales'."""
+        g = self.granularity
+        parts = [self.format.name]
+        if g == "group":
+            parts.append(f"group {self.group_size}")
+        elif g == "channel":
+            parts.append(f"per-channel (axis {self.axis})")
+        elif g == "mx":
+            parts.append(f"MX block {self.group_size}")
+        elif g == "nvfp4":
+            parts.append(f"NVFP4 block {self.group_size}")
+        else:
+            parts.append("per-tensor")
+        if not self.symmetric:
+            parts.append("asym")
+        if self.scale_format != "none":
+            parts.append(f"{self.scale_format} scales")
+        if self.scale_method != "absmax":
+            parts.append(self.scale_method)
+        if self.double_quant:
+            parts.append("double-quant")
+        if self.mode != "nearest_even":
+            parts.append(self.mode)
+        return ", ".join(parts)
+
+    def layout(self, shape) -> tuple[int, int, int, int]:
+        """(rows, cols, padded_cols, groups) of the matrix view of a tensor of this shape."""
+        shape = tuple(int(s) for s in shape)
+        numel = math.prod(shape)
+        g = self.granularity
+        if g == "tensor":
+            return 1, numel, numel, 1
+        if len(shape) == 0:
+            raise ValueError(f"granularity {g!r} needs a tensor with at least one dimension")
+        if g == "channel":
+            ax = self._axis(len(shape))
+            rows = shape[ax]
+            cols = numel // rows if rows else 0
+            return rows, cols, cols, 1
+        cols = shape[-1]
+        rows = numel // cols if cols else 0
+        gs = self.group_size
+        groups = -(-cols // gs)
+        return rows, cols, groups * gs, groups
+
+    def _axis(self, ndim: int) -> int:
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(f"axis {self.axis} is out of range for a {ndim}-d tensor")
+        return self.axis % ndim
+
+    def scales_shape(self, shape) -> tuple[int, int]:
+        rows, _, _, groups = self.layout(shape)
+        return (rows, groups) if self.scale_format != "none" else (0, 0)
+
+    def nbytes(self, shape) -> int:
+        """Bytes a QuantizedTensor of this shape holds (codes, scales, zero points, extras)."""
+        rows, _, pcols, groups = self.layout(shape)
+        n = rows * pcols
+        total = code_nbytes(n, self.format.bits)
+        if self.scale_format == "none":
+            return total
+        n_scales = rows * groups
+        if self.double_quant:
+            blocks = -(-n_scales // DOUBLE_QUANT_BLOCK)
+            total += n_scales + 4 * blocks + 4  # int8 codes, fp32 block scales, fp32 offset
+        else:
+            total += n_scales * _SCALE_BITS[self.scale_format] // 8
+        if not self.symmetric:
+            total += -(-n_scales * self.format.bits // 8)  # zero points packed at element width
+        if self.granularity == "nvfp4":
+            total += 4  # the float32 tensor scale
+        return total
+
+    def bits_per_value(self, shape=None) -> float:
+        """Effective storage bits per value, scales and zero points included.
+
+        shape=None gives the large-tensor limit (per-tensor and per-channel overheads vanish):
+        NF4 with double quantization 4.127, MXFP4 4.25, NVFP4 4.5, int4 group 128 4.25.
+        """
+        if shape is not None:
+            numel = math.prod(int(s) for s in shape)
+            if numel == 0:
+                raise ValueError("bits per value of an empty tensor is undefined")
+            return self.nbytes(shape) * 8 / numel
+        b = float(self.format.bits if self.format.bits <= 8 else 16)
+        if self.granularity in ("tensor", "channel") or self.scale_format == "none":
+            return b
+        gs = self.group_size
+        if self.double_quant:
+            b += (8 + 32 / DOUBLE_QUANT_BLOCK) / gs
+        else:
+            b += _SCALE_BITS[self.scale_format] / gs
+        if not self.symmetric:
+            b += self.format.bits / gs
+        return b
+
+    def with_(self, **changes) -> QuantScheme:
+        """A copy with some fields changed (the name is dropped unless given)."""
+        changes.setdefault("name", None)
+        return dataclasses.replace(self, **changes)
+
+    # --- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["format"] = _format_spec(self.format)
+        d["activations"] = self.activations.to_dict() if self.activations is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantScheme:
+        if not isinstance(d, dict):
+            raise TypeError(f"a scheme description must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown scheme fields: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        d["format"] = _format_from_spec(d.get("format"))
+        if d.get("activations") is not None:
+            d["activations"] = cls.from_dict(d["activations"])
+        return cls(**d)
+
+
+def _format_spec(fmt: Format):
+    """A JSON description of a format: its registered name, or its fields for a custom one."""
+    try:
+        if get_format(fmt.name) == fmt:
+            return fmt.name
+    except (ValueError, KeyError):
+        pass
+    if isinstance(fmt, FloatFormat):
+        return {"kind": "float", "exp_bits": fmt.exp_bits, "man_bits": fmt.man_bits, "bias": fmt.bias,
+                "specials": fmt.specials, "subnormals": fmt.subnormals, "signed": fmt.signed}
+    if isinstance(fmt, IntFormat):
+        return {"kind": "int", "bits": fmt.bits, "signed": fmt.signed}
+    if isinstance(fmt, LookupFormat):
+        return {"kind": "lookup", "name": fmt.name, "values": list(fmt.table)}
+    raise TypeError(f"cannot describe format {fmt!r}")
+
+
+def _format_from_spec(spec) -> Format:
+    if isinstance(spec, str):
+        return get_format(spec)
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise ValueError(f"bad format description {spec!r}")
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    if kind == "float":
+        return FloatFormat(**spec)
+    if kind == "int":
+        return IntFormat(**spec)
+    if kind == "lookup":
+        return LookupFormat(spec["name"], values=spec["values"])
+    raise ValueError(f"unknown format kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# presets
+# ---------------------------------------------------------------------------------------------
+def _presets() -> dict[str, QuantScheme]:
+    S = QuantScheme
+    per_token_int8 = S("int8", "channel", axis=0, name="int8_per_token")
+    p = [
+        S("int8", "channel", name="int8"),
+        S("int8", "tensor", name="int8_tensor"),
+        S("uint8", "channel", symmetric=False, name="int8_asym"),
+        S("int4", "group", group_size=128, name="int4"),
+        S("uint4", "group", group_size=128, symmetric=False, name="int4_asym"),
+        S("int4", "group", group_size=32, name="int4_g32"),
+        S("uint4", "group", group_size=32, symmetric=False, name="int4_asym_g32"),
+        S("int4", "channel", name="int4_channel"),
+        S("int3", "group", group_size=64, name="int3"),
+        S("int2", "group", group_size=64, name="int2"),
+        S("nf4", "group", group_size=64, name="nf4"),
+        S("nf4", "group", group_size=64, double_quant=True, name="nf4_dq"),
+        S("fp8_e4m3", "tensor", name="fp8"),
+        S("fp8_e4m3", "channel", name="fp8_channel"),
+        S("fp8_e5m2", "tensor", name="fp8_e5m2"),
+        S("fp8_e4m3", "mx", name="mxfp8"),
+        S("fp8_e5m2", "mx", name="mxfp8_e5m2"),
+        S("fp6_e3m2", "mx", name="mxfp6"),
+        S("fp6_e2m3", "mx", name="mxfp6_e2m3"),
+        S("fp4_e2m1", "mx", name="mxfp4"),
+        S("fp4_e2m1", "nvfp4", name="nvfp4"),
+        S("fp4_e2m1", "group", group_size=32, name="fp4"),
+        S("int8", "channel", activations=per_token_int8, name="w8a8"),
+        S("bf16", "tensor", scale_format="none", name="bf16"),
+        S("fp16", "tensor", scale_format="none", name="fp16"),
+    ]
+    return {s.name: s for s in p}
+
+
+_PRESETS = _presets()
+_PRESET_ALIASES = {"fp8_tensor": "fp8", "fp8_e4m3": "fp8", "int4_sym": "int4", "nf4_double_quant": "nf4_dq",
+                   "nf4dq": "nf4_dq", "int8_channel": "int8", "mxfp6_e3m2": "mxfp6", "mxfp8_e4m3": "mxfp8",
+                   "bfloat16": "bf16", "float16": "fp16", "q4_1": "int4_asym_g32"}
+
+
+def list_schemes() -> list[str]:
+    """Names of the preset schemes."""
+    return list(_PRESETS)
+
+
+def get_scheme(spec) -> QuantScheme:
+    """A preset by name (case/separator-insensitive), or a QuantScheme passed through."""
+    if isinstance(spec, QuantScheme):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a scheme is a QuantScheme or a preset name, got {type(spec).__name__}")
+    key = spec.strip().lower().replace("-", "_").replace(" ", "_")
+    key = _PRESET_ALIASES.get(key, key)
+    if key in _PRESETS:
+        return _PRESETS[key]
+    close = difflib.get_close_matches(key, list(_PRESETS) + list(_PRESET_ALIASES), n=4, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown quantization scheme {spec!r}.{hint} Presets: {', '.join(_PRESETS)}")

@@ -1,0 +1,288 @@
+"""QuantizedTensor and quantize(): element codes packed into bytes for real, with their scales.
+
+Dequantization rule (what a QuantizedTensor means):
+- symmetric:   x ~= decode(code) * scale
+- asymmetric:  x ~= (q - zero_point) * scale, q on the unsigned grid 0..2^b-1
+- MX:          x ~= decode(code) * 2^(e8m0 code - 127)
+- NVFP4:       x ~= decode(code) * (decode_e4m3(block code) * tensor_scale)
+- plain cast (scale_format "none"): x ~= decode(code)
+Elements are computed as round(x * (1 / scale)) in float32 (see fewbits.quant.scales).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import IntFormat
+from ..kernels import decode, encode, pack, round as fb_round, unpack
+from . import scales as sc
+from .scheme import QuantScheme, get_scheme
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                 "e8m0": torch.uint8, "e4m3": torch.uint8}
+_PACK_ORDER = "low_first"
+STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset")
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix view of QuantScheme's layout rule
+# ---------------------------------------------------------------------------------------------
+def to_groups(x: torch.Tensor, scheme: QuantScheme):
+    """float32 group view [rows, groups, group_size] (zero-padded) and the mask of real entries
+    (None when nothing is padded)."""
+    rows, cols, pcols, groups = scheme.layout(x.shape)
+    g = scheme.granularity
+    if g == "tensor":
+        m = x.reshape(1, -1)
+    elif g == "channel":
+        m = x.movedim(scheme._axis(x.dim()), 0).reshape(rows, cols)
+    else:
+        m = x.reshape(rows, cols)
+    m = m.to(torch.float32)
+    valid = None
+    if pcols != cols:
+        m = torch.nn.functional.pad(m, (0, pcols - cols))
+        valid = (torch.arange(pcols, device=x.device) < cols).reshape(1, groups, pcols // groups)
+    return m.reshape(rows, groups, pcols // groups if groups else 0), valid
+
+
+def from_groups(g: torch.Tensor, scheme: QuantScheme, shape) -> torch.Tensor:
+    """Inverse of to_groups: crop the padding and restore the tensor's shape."""
+    rows, cols, _, _ = scheme.layout(shape)
+    m = g.reshape(rows, -1)[:, :cols]
+    if scheme.granularity == "channel":
+        ax = scheme._axis(len(shape))
+        moved = (shape[ax],) + tuple(s for i, s in enumerate(shape) if i != ax)
+        return m.reshape(moved).movedim(0, ax)
+    return m.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantizedTensor
+# ---------------------------------------------------------------------------------------------
+class QuantizedTensor:
+    """A tensor stored in a QuantScheme: packed codes, scales, zero points. See the module doc.
+
+    codes: uint8 bytes of the packed element codes (formats of up to 8 bits; low-first order),
+        or int16 bit patterns (16-bit formats), over the padded [rows, padded_cols] matrix.
+    scales: [rows, groups] in the scheme's scale format (float tensors for fp32/fp16/bf16,
+        uint8 codes for e8m0/e4m3); None for a plain cast.
+    zero_points: packed uint8 zero points at the element width (asymmetric schemes).
+    tensor_scale: float32 scalar (NVFP4).
+    dq_codes, dq_scales, dq_offset: the double-quantized scales (scales is None then).
+    """
+
+    def __init__(self, scheme: QuantScheme, shape, dtype: torch.dtype, codes: torch.Tensor,
+                 scales=None, zero_points=None, tensor_scale=None, dq_codes=None, dq_scales=None,
+                 dq_offset=None):
+        self.scheme = get_scheme(scheme)
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.codes = codes
+        self.scales = scales
+        self.zero_points = zero_points
+        self.tensor_scale = tensor_scale
+        self.dq_codes, self.dq_scales, self.dq_offset = dq_codes, dq_scales, dq_offset
+        self._validate()
+
+    # --- construction checks (also guard loading from files) --------------------------------
+    def _validate(self):
+        s = self.scheme
+        rows, _, pcols, groups = s.layout(self.shape)
+        n = rows * pcols
+        bits = s.format.bits
+
+        def need(name, t, shape, dtype):
+            if t is None:
+                raise ValueError(f"{name} is missing for scheme {s.label}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} for shape {tuple(self.shape)} "
+                                 f"in {s.label}; got {t.dtype} of shape {tuple(t.shape)}")
+
+        if self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
+        if bits <= 8:
+            need("codes", self.codes, (-(-n * bits // 8),), torch.uint8)
+        else:
+            need("codes", self.codes, (n,), torch.int16)
+        if s.scale_format == "none":
+            return
+        n_sc = rows * groups
+        if s.double_quant:
+            blocks = -(-n_sc // sc.DOUBLE_QUANT_BLOCK)
+            need("dq_codes", self.dq_codes, (n_sc,), torch.int8)
+            need("dq_scales", self.dq_scales, (blocks,), torch.float32)
+            need("dq_offset", self.dq_offset, (), torch.float32)
+        else:
+            need("scales", self.scales, (rows, groups), _SCALE_DTYPES[s.scale_format])
+        if not s.symmetric:
+            need("zero_points", self.zero_points, (-(-n_sc * bits // 8),), torch.uint8)
+        if s.granularity == "nvfp4":
+            need("tensor_scale", self.tensor_scale, (), torch.float32)
+
+    # --- views ------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def _layout(self):
+        return self.scheme.layout(self.shape)
+
+    def element_codes(self) -> torch.Tensor:
+        """Unpacked element codes (the format's bit patterns, int64) [rows, groups, group_size]."""
+        rows, _, pcols, groups = self._layout()
+        n = rows * pcols
+        bits = self.scheme.format.bits
+        if bits <= 8:
+            c = unpack(self.codes, bits, n, order=_PACK_ORDER).to(torch.int64)
+        else:
+            c = self.codes.to(torch.int64) & 0xFFFF
+        return c.reshape(rows, max(groups, 1), pcols // max(groups, 1) if n else 0)
+
+    def int_codes(self) -> torch.Tensor:
+        """Element values as integers [rows, padded_cols] (integer formats: int4 gives -8..7,
+        asymmetric uint4 0..15)."""
+        if not isinstance(self.scheme.format, IntFormat):
+            raise TypeError(f"int_codes() is for integer formats; {self.scheme.format.name} has codes, "
+                            "use element_codes()")
+        rows, _, pcols, _ = self._layout()
+        return decode(self.element_codes(), self.scheme.format).to(torch.int64).reshape(rows, pcols)
+
+    def zero_point_values(self) -> torch.Tensor | None:
+        """Integer zero points [rows, groups] (asymmetric schemes), else None."""
+        if self.zero_points is None:
+            return None
+        rows, _, _, groups = self._layout()
+        bits = self.scheme.format.bits
+        return unpack(self.zero_points, bits, rows * groups, order=_PACK_ORDER).to(torch.int64).reshape(rows, groups)
+
+    def scale_values(self) -> torch.Tensor | None:
+        """Float32 scales [rows, groups] that multiply the element values (after double-quant)."""
+        s = self.scheme
+        rows, _, _, groups = self._layout()
+        if s.scale_format == "none":
+            return None
+        if s.double_quant:
+            return sc.double_dequantize(self.dq_codes, self.dq_scales, self.dq_offset).reshape(rows, groups)
+        if s.granularity == "mx":
+            return sc.mx_scale_values(self.scales, s)
+        if s.granularity == "nvfp4":
+            return sc.nvfp4_scale_values(self.scales, self.tensor_scale)
+        return self.scales.to(torch.float32)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values this tensor stands for, in `dtype` (default: the original dtype)."""
+        dtype = dtype or self.dtype
+        s = self.scheme
+        if s.scale_format == "none":
+            v = decode(self.element_codes().reshape(-1), s.format, dtype=torch.float32)
+            return v.reshape(self.shape).to(dtype)
+        v = decode(self.element_codes(), s.format, dtype=torch.float32)
+        zp = self.zero_point_values()
+        if zp is not None:
+            v = v - zp.unsqueeze(-1).to(torch.float32)
+        v = v * self.scale_values().unsqueeze(-1)
+        return from_groups(v, s, self.shape).to(dtype)
+
+    # --- sizes ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor held, by name (the keys of STATE_KEYS that are present)."""
+        return {k: getattr(self, k) for k in STATE_KEYS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_state_dict(cls, scheme, shape, dtype, tensors: dict) -> QuantizedTensor:
+        unknown = set(tensors) - set(STATE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown quantized-tensor entries: {', '.join(sorted(unknown))}")
+        return cls(scheme, shape, dtype, **{k: tensors.get(k) for k in STATE_KEYS})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held (codes, scales, zero points, tensor scale, double-quant pieces)."""
+        return sum(t.nbytes for t in self.state_dict().values())
+
+    @property
+    def bits_per_value(self) -> float:
+        return self.nbytes * 8 / self.numel if self.numel else float("nan")
+
+    def to(self, device) -> QuantizedTensor:
+        return QuantizedTensor(self.scheme, self.shape, self.dtype,
+                               **{k: (v.to(device) if v is not None else None)
+                                  for k, v in ((k, getattr(self, k)) for k in STATE_KEYS)})
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def __repr__(self) -> str:
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, scheme={self.scheme.label!r}, "
+                f"nbytes={self.nbytes}, bits_per_value={self.bits_per_value:.3f})")
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize
+# ---------------------------------------------------------------------------------------------
+def _generator(scheme: QuantScheme, device) -> torch.Generator | None:
+    if scheme.mode != "stochastic":
+        return None
+    return torch.Generator(device=device).manual_seed(scheme.seed)
+
+
+def _round_elements(y: torch.Tensor, scheme: QuantScheme, mode=None, generator=None) -> torch.Tensor:
+    return fb_round(y, scheme.format, mode=mode or "nearest_even", overflow="saturate", generator=generator)
+
+
+def quantize(x: torch.Tensor, scheme) -> QuantizedTensor:
+    """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name)."""
+    scheme = get_scheme(scheme)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize() takes a float tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    x = x.detach()
+    fmt = scheme.format
+    gen = _generator(scheme, x.device)
+    if scheme.scale_format == "none":
+        codes = encode(x.reshape(-1), fmt, mode=scheme.mode, generator=gen)
+        stored = codes.to(torch.int16) if fmt.bits > 8 else pack(codes.to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+        return QuantizedTensor(scheme, x.shape, x.dtype, stored)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
+    g, valid = to_groups(x, scheme)
+    parts: dict = {}
+    if scheme.granularity == "mx":
+        codes_e8m0 = sc.mx_scale_codes(sc.group_amax(g), scheme)
+        scale = sc.mx_scale_values(codes_e8m0, scheme)
+        y = g * (1.0 / scale).unsqueeze(-1)
+        parts["scales"] = codes_e8m0
+    elif scheme.granularity == "nvfp4":
+        ts, codes_e4m3, mult = sc.nvfp4_scales(g, scheme)
+        y = g * mult.unsqueeze(-1)
+        parts["scales"], parts["tensor_scale"] = codes_e4m3, ts
+    elif scheme.symmetric:
+        def qdq(gg, s):
+            return _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), scheme) * s.unsqueeze(-1)
+
+        scale = sc.symmetric_scales(g, valid, scheme, qdq)
+        y = g * sc.reciprocal(scale).unsqueeze(-1)
+        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
+    else:
+        def qdq(gg, sz):
+            s, z = sz
+            q = _round_elements(gg * sc.reciprocal(s).unsqueeze(-1) + z.unsqueeze(-1), scheme)
+            return (q - z.unsqueeze(-1)) * s.unsqueeze(-1)
+
+        scale, zp = sc.asymmetric_params(g, valid, scheme, qdq)
+        y = g * sc.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1).to(torch.float32)
+        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
+        parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+    codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
+    stored = pack(codes, fmt.bits, order=_PACK_ORDER) if fmt.bits <= 8 else codes.to(torch.int16)
+    if scheme.double_quant:
+        q, bs, off = sc.double_quantize(parts.pop("scales").to(torch.float32))
+        parts.update(dq_codes=q, dq_scales=bs, dq_offset=off)
+    return QuantizedTensor(scheme, x.shape, x.dtype, stored, **parts)
