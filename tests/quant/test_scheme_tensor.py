@@ -263,3 +263,21 @@ def test_state_dict_round_trip_and_validation():
         QuantizedTensor.from_state_dict(q.scheme, q.shape, q.dtype, {"scales": q.scales})
     with pytest.raises(ValueError, match="unknown"):
         QuantizedTensor.from_state_dict(q.scheme, q.shape, q.dtype, {**q.state_dict(), "extra": q.scales})
+
+
+def test_given_scales_are_used_and_checked():
+    x = torch.randn(4, 64)
+    q = quantize(x, "int4_g32")
+    q2 = quantize(x, "int4_g32", scales=q.scale_values())
+    assert torch.equal(q2.codes, q.codes) and torch.equal(q2.scales, q.scales)
+    qa = quantize(x, "int4_asym_g32")
+    qa2 = quantize(x, "int4_asym_g32", scales=qa.scale_values(), zero_points=qa.zero_point_values())
+    assert torch.equal(qa2.dequantize(), qa.dequantize())
+    big = quantize(x, "int4_g32", scales=q.scale_values() * 2)
+    assert torch.equal(big.scale_values(), q.scale_values() * 2)
+    with pytest.raises(ValueError, match="shape"):
+        quantize(x, "int4_g32", scales=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="recipe"):
+        quantize(x, "mxfp4", scales=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="zero points must lie"):
+        quantize(x, "int4_asym_g32", scales=qa.scale_values(), zero_points=torch.full((4, 2), 16))

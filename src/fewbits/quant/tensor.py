@@ -226,6 +226,17 @@ class QuantizedTensor:
 # ---------------------------------------------------------------------------------------------
 # quantize
 # ---------------------------------------------------------------------------------------------
+def _given(t, what, scheme, shape, dtype) -> torch.Tensor:
+    want = scheme.scales_shape(shape)
+    if t is None:
+        raise ValueError(f"{what} are needed (shape {want})")
+    t = torch.as_tensor(t)
+    if tuple(t.shape) != tuple(want):
+        raise ValueError(f"{what} must have shape {want} for a tensor of shape {tuple(shape)} in {scheme.label}, "
+                         f"got {tuple(t.shape)}")
+    return t.to(dtype)
+
+
 def _generator(scheme: QuantScheme, device) -> torch.Generator | None:
     if scheme.mode != "stochastic":
         return None
@@ -236,8 +247,15 @@ def _round_elements(y: torch.Tensor, scheme: QuantScheme, mode=None, generator=N
     return fb_round(y, scheme.format, mode=mode or "nearest_even", overflow="saturate", generator=generator)
 
 
-def quantize(x: torch.Tensor, scheme) -> QuantizedTensor:
-    """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name)."""
+def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
+             zero_points: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name).
+
+    scales / zero_points: use these float32 scales (and integer zero points) of shape
+    scheme.scales_shape(x.shape) instead of choosing them (as GPTQ does, group by group); they
+    are rounded to the scheme's scale format. Not for MX/NVFP4, whose scales are fixed by
+    their recipes.
+    """
     scheme = get_scheme(scheme)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
@@ -254,6 +272,10 @@ def quantize(x: torch.Tensor, scheme) -> QuantizedTensor:
         raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
     g, valid = to_groups(x, scheme)
     parts: dict = {}
+    if scales is not None and scheme.granularity in ("mx", "nvfp4"):
+        raise ValueError(f"{scheme.granularity} scales follow their recipe; they cannot be given")
+    if zero_points is not None and (scales is None or scheme.symmetric):
+        raise ValueError("zero_points go with given scales of an asymmetric scheme")
     if scheme.granularity == "mx":
         codes_e8m0 = sc.mx_scale_codes(sc.group_amax(g), scheme)
         scale = sc.mx_scale_values(codes_e8m0, scheme)
@@ -263,6 +285,17 @@ def quantize(x: torch.Tensor, scheme) -> QuantizedTensor:
         ts, codes_e4m3, mult = sc.nvfp4_scales(g, scheme)
         y = g * mult.unsqueeze(-1)
         parts["scales"], parts["tensor_scale"] = codes_e4m3, ts
+    elif scales is not None:
+        scale = _given(scales, "scales", scheme, x.shape, torch.float32)
+        scale = sc.round_scales(scale, scheme.scale_format)
+        y = g * sc.reciprocal(scale).unsqueeze(-1)
+        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
+        if not scheme.symmetric:
+            zp = _given(zero_points, "zero_points", scheme, x.shape, torch.int64)
+            if int(zp.min()) < 0 or int(zp.max()) > 2 ** fmt.bits - 1:
+                raise ValueError(f"zero points must lie in 0..{2 ** fmt.bits - 1}")
+            y = y + zp.unsqueeze(-1).to(torch.float32)
+            parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
     elif scheme.symmetric:
         def qdq(gg, s):
             return _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), scheme) * s.unsqueeze(-1)
