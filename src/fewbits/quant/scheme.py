@@ -168,6 +168,8 @@ class QuantScheme:
             parts.append("double-quant")
         if self.mode != "nearest_even":
             parts.append(self.mode)
+        if self.activations is not None:
+            parts.append(f"activations {self.activations.format.name} dynamic per token")
         return ", ".join(parts)
 
     def layout(self, shape) -> tuple[int, int, int, int]:
