@@ -281,3 +281,10 @@ def test_given_scales_are_used_and_checked():
         quantize(x, "mxfp4", scales=torch.ones(4, 2))
     with pytest.raises(ValueError, match="zero points must lie"):
         quantize(x, "int4_asym_g32", scales=qa.scale_values(), zero_points=torch.full((4, 2), 16))
+
+
+def test_entries_the_scheme_does_not_use_are_rejected():
+    q = quantize(torch.randn(4, 64), "int4")
+    with pytest.raises(ValueError, match="zero_points not used"):
+        QuantizedTensor.from_state_dict(q.scheme, q.shape, q.dtype,
+                                        {**q.state_dict(), "zero_points": torch.zeros(4, dtype=torch.uint8)})

@@ -62,6 +62,18 @@ def from_groups(g: torch.Tensor, scheme: QuantScheme, shape) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # QuantizedTensor
 # ---------------------------------------------------------------------------------------------
+def expected_keys(scheme: QuantScheme) -> tuple[str, ...]:
+    """The STATE_KEYS a QuantizedTensor of this scheme holds."""
+    keys = ["codes"]
+    if scheme.scale_format != "none":
+        keys += ["dq_codes", "dq_scales", "dq_offset"] if scheme.double_quant else ["scales"]
+        if not scheme.symmetric:
+            keys.append("zero_points")
+        if scheme.granularity == "nvfp4":
+            keys.append("tensor_scale")
+    return tuple(keys)
+
+
 class QuantizedTensor:
     """A tensor stored in a QuantScheme: packed codes, scales, zero points. See the module doc.
 
@@ -103,6 +115,10 @@ class QuantizedTensor:
                 raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} for shape {tuple(self.shape)} "
                                  f"in {s.label}; got {t.dtype} of shape {tuple(t.shape)}")
 
+        expected = expected_keys(s)
+        extra = [k for k in STATE_KEYS if k not in expected and getattr(self, k) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} not used by scheme {s.label}")
         if self.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
         if bits <= 8:
