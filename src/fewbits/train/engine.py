@@ -1,0 +1,488 @@
+"""The training engine: runs any nn.Module and any torch.optim optimizer under a Policy.
+
+What it does to the model (once, at construction):
+  * parameters outside fp32-kept modules get a low-precision working copy (a new nn.Parameter
+    put into the module); the optimizer keeps the original fp32 Parameter objects, which become
+    the master weights. Without a master (bf16-pure) the original objects still serve as the
+    optimizer's float32 view of the weights, but hold data only during step().
+  * hooks: fp32-kept modules (norms, softmax, losses by default) run in fp32; the model's floating
+    outputs come back as fp32, so the loss is computed in fp32.
+  * where the policy's formats are not this machine's native dtypes (fp8 anywhere, fp16 and tf32
+    on a CPU), a TorchFunctionMode active during the model's forward casts the inputs of every
+    matmul (F.linear, matmul/@, mm, bmm, addmm, baddbmm, conv, scaled_dot_product_attention) to the
+    forward format and their outputs to the activation format, and the gradients of those outputs
+    to the backward format, all through fb.round with the policy's scaling recipe.
+Native execution: bf16 on CPU (oneDNN: AVX512-BF16/AMX) and bf16/fp16 on CUDA run as real dtypes,
+with no casts per step beyond the fp32 modules'.
+
+A step: engine.backward(loss) scales the loss, back-propagates, and accumulates the working
+gradients into fp32 buffers (the masters' .grad); engine.step() unscales, checks for inf/NaN,
+skips the step when found (the masters are never touched by a non-finite gradient), else runs
+optimizer.step() on the masters and refreshes the working copy; engine.zero_grad() clears.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..formats import get_format
+from .casts import cast, native_dtype, round_to
+from .fp8 import ScaledCast
+from .optim import StateStore, land_update
+from .policy import Policy
+from .scaler import LossScaler
+from .telemetry import Telemetry
+
+_DTYPE_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _matmul_inputs() -> dict:
+    table = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1),
+             torch.Tensor.__matmul__: (0, 1), torch.Tensor.__rmatmul__: (0, 1), torch.mm: (0, 1),
+             torch.Tensor.mm: (0, 1), torch.bmm: (0, 1), torch.Tensor.bmm: (0, 1), torch.addmm: (1, 2),
+             torch.baddbmm: (1, 2), F.conv1d: (0, 1), F.conv2d: (0, 1), F.conv3d: (0, 1),
+             F.scaled_dot_product_attention: (0, 1, 2)}
+    return table
+
+
+_MATMUL_INPUTS = _matmul_inputs()
+
+
+def native_on(device: torch.device, fmt_name: str) -> torch.dtype | None:
+    """The dtype that runs `fmt_name` natively and fast on `device` (None: emulate in fp32).
+    fp16 matmuls on a CPU run at under 1 GFLOP/s in torch, so fp16 is emulated there."""
+    dtype = native_dtype(fmt_name)
+    if dtype == torch.float16 and device.type == "cpu":
+        return None
+    return dtype
+
+
+@dataclass
+class _Entry:
+    """One parameter under the engine's care."""
+    name: str
+    working: nn.Parameter           # what the model reads
+    master: nn.Parameter            # what the optimizer updates (a shadow without a master copy)
+    grad_buf: torch.Tensor | None = None
+    compensation: torch.Tensor | None = None
+
+
+@dataclass
+class _Frame:
+    name: str
+    fp32: bool
+    calls: list = field(default_factory=lambda: [0])
+
+
+class _CastMode(TorchFunctionMode):
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        positions = _MATMUL_INPUTS.get(func)
+        if positions is None:
+            return func(*args, **kwargs)
+        return self.engine._matmul(func, positions, args, kwargs)
+
+
+class Engine:
+    """Mixed-precision training of `model` with `optimizer` (built on model's parameters) under
+    `policy` (a Policy or a preset name). See the module docstring for the protocol."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: Policy | str = "bf16-mixed",
+                 *, telemetry: Telemetry | bool | None = None, seed: int = 0, detect_overflow: bool | None = None,
+                 device: torch.device | str | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.policy = Policy.preset(policy) if isinstance(policy, str) else policy
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy must be a Policy or a preset name, got {type(policy).__name__}")
+        self.model, self.optimizer = model, optimizer
+        first = next(model.parameters(), None)
+        self.device = torch.device(device) if device is not None else (first.device if first is not None
+                                                                       else torch.device("cpu"))
+        pol = self.policy
+        self.compute_dtype = native_on(self.device, pol.activations) or torch.float32
+        self.storage_dtype = native_on(self.device, pol.weights) or torch.float32
+        compute_fmt = _DTYPE_FORMAT[self.compute_dtype]
+        self.weights_fmt = get_format(pol.weights)
+        self.cast_forward = get_format(pol.forward).name != compute_fmt or pol.fp8_recipe != "none"
+        self.cast_backward = get_format(pol.backward).name != compute_fmt or pol.fp8_recipe != "none"
+        self.cast_activations = get_format(pol.activations).name != compute_fmt
+        self.needs_mode = (self.cast_forward or self.cast_backward or self.cast_activations
+                           or self.storage_dtype != self.compute_dtype)
+        if telemetry is True:
+            telemetry = Telemetry()
+        self.telemetry: Telemetry | None = telemetry or None
+        self.detect_overflow = (get_format(pol.activations).max < 1e6) if detect_overflow is None else detect_overflow
+        self.scaler = LossScaler(pol.loss_scaling, pol.init_scale, pol.growth_factor, pol.backoff_factor,
+                                 pol.growth_interval)
+        self.generators = {k: torch.Generator().manual_seed(seed * 7919 + i)
+                           for i, k in enumerate(("update", "cast", "state"))}
+        self.states = StateStore(optimizer, pol.optimizer_states, pol.state_rounding, self.generators["state"])
+        self.step_count = 0
+        self.slots: dict = {}
+        self.last_step: dict = {}
+        self.overflows: list[dict] = []
+        self._frames: list[_Frame] = []
+        self._fwd_flags: list = []
+        self._accumulating = False
+        self._sampling = False
+        self._mode: _CastMode | None = None
+        self.entries: list[_Entry] = []
+        self.plain_params: list[tuple[str, nn.Parameter]] = []
+        self._fp32_modules = self._classify_modules()
+        self._replace_parameters()
+        self._install_hooks()
+
+    # -----------------------------------------------------------------------------------------
+    # setup
+    # -----------------------------------------------------------------------------------------
+    def _classify_modules(self) -> set[str]:
+        keep: set[str] = set()
+        for name, m in self.model.named_modules():
+            parent = name.rsplit(".", 1)[0] if "." in name else ("" if name else None)
+            if (parent is not None and parent in keep) or self.policy.keeps_fp32(name, type(m).__name__):
+                keep.add(name)
+        return keep
+
+    def _replace_parameters(self) -> None:
+        opt_params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        done: dict[int, nn.Parameter] = {}
+        pol = self.policy
+        for mod_name, module in self.model.named_modules():
+            fp32 = mod_name in self._fp32_modules
+            for pname, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                if id(p) in done:  # tied weights share one working copy
+                    if done[id(p)] is not p:
+                        module._parameters[pname] = done[id(p)]
+                    continue
+                lowp = not fp32 and (pol.master is not None or self.storage_dtype != p.dtype
+                                     or self.weights_fmt.name != _DTYPE_FORMAT.get(p.dtype))
+                if not lowp or not p.is_floating_point():
+                    done[id(p)] = p
+                    self.plain_params.append((full, p))
+                    continue
+                if not p.requires_grad or id(p) not in opt_params:
+                    with torch.no_grad():
+                        p.data = round_to(p.data.float(), self.weights_fmt).to(self.storage_dtype)
+                    done[id(p)] = p
+                    self.plain_params.append((full, p))
+                    continue
+                with torch.no_grad():
+                    if pol.master is not None and get_format(pol.master).name != "fp32":
+                        p.data = round_to(p.data.float(), pol.master)
+                    working = nn.Parameter(round_to(p.detach().float(), self.weights_fmt).to(self.storage_dtype))
+                module._parameters[pname] = working
+                done[id(p)] = working
+                entry = _Entry(full, working, p)
+                if pol.master is None:
+                    if pol.update_rounding == "kahan":
+                        entry.compensation = torch.zeros_like(working.data)
+                    p.data = torch.empty(0, dtype=torch.float32, device=p.device)  # data only during step()
+                self.entries.append(entry)
+        self._names = {id(e.master): e.name for e in self.entries}
+        self._names.update({id(p): n for n, p in self.plain_params})
+
+    def _install_hooks(self) -> None:
+        root = self.model
+        for name, m in self.model.named_modules():
+            fp32 = name in self._fp32_modules
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            outermost_fp32 = fp32 and (m is root or parent not in self._fp32_modules)
+            is_leaf = next(m.children(), None) is None
+            m.register_forward_pre_hook(self._pre_hook(name, fp32, outermost_fp32, m is root))
+            m.register_forward_hook(self._post_hook(name, fp32, outermost_fp32, m is root, is_leaf,
+                                                    isinstance(m, nn.modules.loss._Loss)), always_call=True)
+
+    def _pre_hook(self, name, fp32, outermost_fp32, is_root):
+        def hook(module, args):
+            if is_root:
+                self._enter_forward()
+            self._frames.append(_Frame(name, fp32))
+            if outermost_fp32 and self.compute_dtype != torch.float32:
+                return _map_float(args, lambda t: t.float())
+            if is_root and not fp32 and self.compute_dtype != torch.float32:
+                return _map_float(args, lambda t: t.to(self.compute_dtype))
+            return None
+        return hook
+
+    def _post_hook(self, name, fp32, outermost_fp32, is_root, is_leaf, is_loss):
+        def hook(module, args, output):
+            if self._frames and self._frames[-1].name == name:
+                self._frames.pop()
+            try:
+                if outermost_fp32 and not is_loss and not is_root and self.compute_dtype != torch.float32:
+                    output = _map_float(output, lambda t: t.to(self.compute_dtype))
+                elif is_leaf and not fp32 and self.cast_activations:
+                    act = self.policy.activations
+                    output = _map_float(output, lambda t: cast(t, lambda x: round_to(x, act), None))
+                if self.detect_overflow and is_leaf:
+                    _map_float(output, lambda t: self._fwd_flags.append((name, torch.isfinite(t.detach()).all())) or t)
+                if is_root:
+                    output = _map_float(output, lambda t: t.float())
+                return output
+            finally:
+                if is_root:
+                    self._exit_forward()
+        return hook
+
+    def _enter_forward(self):
+        self._frames.clear()
+        self._sampling = self.telemetry is not None and self.telemetry.wants(self.step_count) \
+            and torch.is_grad_enabled()
+        if (self.needs_mode or self._sampling) and self._mode is None:
+            self._mode = _CastMode(self)
+            self._mode.__enter__()
+
+    def _exit_forward(self):
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    # -----------------------------------------------------------------------------------------
+    # casts
+    # -----------------------------------------------------------------------------------------
+    def _slot(self, key, role: str) -> ScaledCast:
+        s = self.slots.get(key)
+        if s is None:
+            pol = self.policy
+            fmt = pol.forward if role == "forward" else pol.backward
+            mode = pol.forward_rounding if role == "forward" else pol.backward_rounding
+            s = ScaledCast(fmt, pol.fp8_recipe, mode, pol.amax_history_len, pol.fp8_margin, pol.mx_block,
+                           self.generators["cast"])
+            self.slots[key] = s
+        return s
+
+    def _slot_from_checkpoint(self, key: tuple, state: dict) -> None:
+        self._slot(key, key[-1]).load_state_dict(state)
+
+    def _observer(self, layer: str, role: str):
+        step, tel = self.step_count, self.telemetry
+
+        def observe(before, after, sc):
+            top = sc.fmt.max / sc.last_scale if sc.recipe in ("current", "delayed") else \
+                (float("inf") if sc.recipe == "mx" else None)
+            tel.record_cast(step, layer, role, sc.fmt, before, after, top)
+        return observe
+
+    def _matmul(self, func, positions, args, kwargs):
+        frame = self._frames[-1] if self._frames else _Frame("", False)
+        if frame.fp32:
+            return func(*args, **kwargs)
+        idx = frame.calls[0]
+        frame.calls[0] += 1
+        layer = frame.name or "<root>"
+        args = list(args)
+        for i, a in enumerate(args):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+                continue
+            if a.dtype != self.compute_dtype:
+                a = a.to(self.compute_dtype)
+            if i in positions and (self.cast_forward or self._sampling):
+                slot = self._slot((layer, idx, i, "forward"), "forward")
+                slot.observer = self._observer(f"{layer}#{idx}.{i}", "forward") if self._sampling else None
+                if self.cast_forward:
+                    a = cast(a, slot, None)
+                elif self._sampling:
+                    slot.observer(a, a, slot)
+            args[i] = a
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        fwd = (lambda x: round_to(x, self.policy.activations)) if self.cast_activations else None
+        bwd = None
+        if self.cast_backward or self._sampling:
+            slot = self._slot((layer, idx, "backward"), "backward")
+            slot.observer = self._observer(f"{layer}#{idx}", "backward") if self._sampling else None
+            bwd = slot if self.cast_backward else (lambda g, s=slot: (s.observer(g, g, s), g)[1])
+        return cast(out, fwd, bwd)
+
+    # -----------------------------------------------------------------------------------------
+    # the step
+    # -----------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate the (scaled) loss and accumulate the gradients in the grad_accum format."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("loss must be a one-element tensor")
+        self.scaler.scale_loss(loss.float()).backward()
+        accum_fmt = get_format(self.policy.grad_accum)
+        emulated_weights = self.storage_dtype == torch.float32 and self.weights_fmt.name != "fp32"
+        sampled = self.telemetry is not None and self.telemetry.wants(self.step_count)
+        for e in self.entries:
+            g = e.working.grad
+            if g is None:
+                continue
+            if sampled:  # the gradient as the working copy's format holds it (still loss-scaled)
+                self.telemetry.record_cast(self.step_count, e.name, "weight_grad", self.weights_fmt, g)
+            if emulated_weights:  # a parameter stored in fp16 has an fp16 gradient
+                g = round_to(g, self.weights_fmt)
+            if e.grad_buf is None:
+                e.grad_buf = torch.zeros(e.working.shape, dtype=torch.float32, device=g.device)
+            if not self._accumulating:
+                e.grad_buf.copy_(g)
+            else:
+                e.grad_buf.add_(g)
+                if accum_fmt.name != "fp32":
+                    round_to(e.grad_buf, accum_fmt, out=e.grad_buf)
+            e.working.grad = None
+        self._accumulating = True
+
+    def _grads(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(e.name, e.grad_buf) for e in self.entries if e.grad_buf is not None and self._accumulating]
+        out += [(n, p.grad) for n, p in self.plain_params if p.grad is not None]
+        return out
+
+    def step(self) -> bool:
+        """Unscale, check, update. Returns True if the optimizer stepped, False if the step was
+        skipped because a gradient was inf or NaN (see self.last_step for what overflowed)."""
+        named = self._grads()
+        found_inf = self.scaler.unscale_([g for _, g in named])
+        scale_used = self.scaler.scale
+        sampled = self.telemetry is not None and self.telemetry.wants(self.step_count)
+        if found_inf and self.policy.skip_nonfinite:
+            bad = [n for n, g in named if not bool(torch.isfinite(g).all())]
+            layer = next((n for n, ok in self._fwd_flags if not bool(ok)), None)
+            self.last_step = {"step": self.step_count, "stepped": False, "scale": scale_used,
+                              "overflow_params": bad, "overflow_layer": layer}
+            self.overflows.append(self.last_step)
+            self.scaler.update(True)
+            self._finish_step()
+            return False
+        entries = [e for e in self.entries if e.grad_buf is not None and self._accumulating]
+        no_master = self.policy.master is None
+        if no_master:
+            for e in self.entries:
+                e.master.data = e.working.detach().float()
+        for e in entries:
+            e.master.grad = e.grad_buf
+        before = {id(e): (e.master.detach().clone(), e.working.detach().clone()) for e in entries} if sampled else {}
+        self.states.unpack()
+        self.optimizer.step()
+        self.states.pack()
+        self._refresh_working(no_master)
+        if sampled:
+            for e in entries:
+                m0, w0 = before[id(e)]
+                intended = m0 != e.master.detach()
+                n_int = int(intended.sum())
+                stored = e.master.detach() if not no_master else e.working.detach()
+                stored0 = m0 if not no_master else w0
+                n_landed = int((intended & (stored != stored0)).sum())
+                self.telemetry.record_lost_updates(self.step_count, e.name, n_int, n_landed)
+                if not no_master:
+                    self.telemetry.record_cast(self.step_count, e.name, "weights", self.weights_fmt,
+                                               e.master.detach(), e.working.detach())
+        if no_master:
+            for e in self.entries:
+                e.master.data = torch.empty(0, dtype=torch.float32, device=e.master.device)
+        self.last_step = {"step": self.step_count, "stepped": True, "scale": scale_used,
+                          "overflow_params": [], "overflow_layer": None}
+        self.scaler.update(False)
+        self._finish_step()
+        return True
+
+    def _refresh_working(self, no_master: bool) -> None:
+        pol = self.policy
+        with torch.no_grad():
+            if no_master:
+                gen = self.generators["update"]
+                for e in self.entries:
+                    land_update(e.working.data, e.master.data, self.weights_fmt, pol.update_rounding,
+                                e.compensation, gen)
+                return
+            if get_format(pol.master).name != "fp32":
+                for e in self.entries:
+                    round_to(e.master.data, pol.master, out=e.master.data)
+            if not self.entries:
+                return
+            if self.storage_dtype != torch.float32 or self.weights_fmt.name == "fp32":
+                # the dtype cast is the format's nearest-even rounding
+                torch._foreach_copy_([e.working.data for e in self.entries], [e.master.data for e in self.entries])
+            else:
+                for e in self.entries:
+                    round_to(e.master.data, self.weights_fmt, out=e.working.data)
+
+    def _finish_step(self) -> None:
+        self.step_count += 1
+        self._fwd_flags.clear()
+
+    def zero_grad(self) -> None:
+        self._accumulating = False
+        for e in self.entries:
+            e.working.grad = None
+            e.master.grad = None
+        for _, p in self.plain_params:
+            p.grad = None
+        self._fwd_flags.clear()
+
+    def train_step(self, loss: torch.Tensor) -> bool:
+        """backward + step + zero_grad."""
+        self.backward(loss)
+        stepped = self.step()
+        self.zero_grad()
+        return stepped
+
+    # -----------------------------------------------------------------------------------------
+    # reporting and checkpoints
+    # -----------------------------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps
+
+    def master_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, the tensor the optimizer updates) for every parameter, fp32 masters included."""
+        if self.policy.master is None:
+            return [(e.name, e.working.detach()) for e in self.entries] + \
+                [(n, p.detach()) for n, p in self.plain_params]
+        return [(e.name, e.master.detach()) for e in self.entries] + [(n, p.detach()) for n, p in self.plain_params]
+
+    def memory_bytes(self) -> dict:
+        """Bytes held by the training state now: working weights, masters, gradient buffers,
+        optimizer states, compensation buffers."""
+        def nb(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        working = sum(nb(e.working.data) for e in self.entries) + sum(nb(p.data) for _, p in self.plain_params)
+        master = sum(nb(e.master.data) for e in self.entries)
+        grads = sum(nb(e.grad_buf) for e in self.entries) + sum(nb(p.grad) for _, p in self.plain_params)
+        comp = sum(nb(e.compensation) for e in self.entries)
+        states = self.states.nbytes()
+        return {"weights": working, "master": master, "grads": grads, "optimizer_states": states,
+                "compensation": comp, "total": working + master + grads + states + comp}
+
+    def state_dict(self) -> dict:
+        from .checkpoint import engine_state
+        return engine_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        from .checkpoint import load_engine_state
+        load_engine_state(self, state)
+
+
+def _map_float(obj, fn):
+    """Apply fn to every floating tensor in obj (tensor, tuple, list, dict); other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        mapped = [_map_float(o, fn) for o in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
+    if isinstance(obj, list):
+        return [_map_float(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        out = {k: _map_float(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(out)
+        except Exception:  # noqa: BLE001 - a dict subclass that cannot be rebuilt from a dict
+            return out
+    return obj
