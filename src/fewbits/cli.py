@@ -1,7 +1,8 @@
 """The `fewbits` command: parses arguments, calls the library, prints tables or JSON.
 
-Exit codes: 0 success; 2 bad input (unknown format or mode, not a number, impossible option);
-1 a file that cannot be written.
+Exit codes: 0 success; 2 bad input (unknown format, scheme or mode, not a number, impossible
+option) or a missing optional package (the message carries the pip command); 1 a file that
+cannot be written, or a `study` part that failed (its report is still written).
 """
 from __future__ import annotations
 
@@ -313,6 +314,380 @@ def cmd_explain(args, out) -> int:
 # ---------------------------------------------------------------------------------------------
 # the parser
 # ---------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# fewbits quantize
+# ---------------------------------------------------------------------------------------------
+_QUANT_DEFAULT_COMPARE = "int8,fp8_channel,mxfp8,int4,int4_asym,nf4,nf4_dq,mxfp4,nvfp4,int3"
+
+
+def _quant_rows_table(rows, subject) -> str:
+    headers = ["scheme", "bits/param", "layer bits", "model MB", subject.quality_metric,
+               subject.throughput_unit, "method"]
+    table = []
+    for r in rows:
+        lb = r.get("layer_bits_per_param")
+        table.append([r.get("scheme_name") or r["scheme"], f"{r['bits_per_param']:.3f}",
+                      f"{lb:.3f}" if lb is not None else "32 (fp32)", f"{r['model_bytes'] / 1e6:.1f}",
+                      f"{r['quality']:.5f}" if subject.quality_metric == "cosine" else f"{r['quality']:.3f}",
+                      f"{r['throughput']:.1f}", r.get("method", "—")])
+    return render_table(headers, table, right=(1, 2, 3, 4, 5))
+
+
+def _quant_list(args, out) -> int:
+    from .quant import get_scheme, list_schemes
+
+    rows = [{"scheme": n, "description": get_scheme(n).describe(),
+             "bits_per_value": get_scheme(n).bits_per_value()} for n in list_schemes()]
+    if args.json:
+        _emit_json(rows, out)
+    else:
+        print(render_table(["scheme", "bits/value", "what"],
+                           [[r["scheme"], f"{r['bits_per_value']:.3f}", r["description"]] for r in rows],
+                           right=(1,)), file=out)
+    return 0
+
+
+def cmd_quantize(args, out) -> int:
+    from .quant import get_scheme
+    from .study import quantization as sq
+
+    if args.list:
+        return _quant_list(args, out)
+    schemes = [s.strip() for s in (args.compare or args.scheme or "").split(",") if s.strip()]
+    if not schemes and args.budget is None:
+        raise ValueError("give --scheme NAME, --compare A,B,... or --budget BITS")
+    for s in schemes:
+        get_scheme(s)  # unknown names fail before the model loads
+    if args.budget is not None and not 1 <= args.budget <= 32:
+        raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
+    say = (lambda msg: print(f"[fewbits] {msg}", file=sys.stderr)) if not args.quiet else None
+    if say:
+        say(f"loading {args.model} ...")
+    subject = sq.get_subject(args.model, quick=args.quick)
+    rows = sq.compare(subject, schemes, method=args.method, progress=say) if schemes else \
+        [sq.measure(subject, subject.model, "fp32", None)]
+    allocation = None
+    if args.budget is not None:
+        candidates = schemes or list(sq.BUDGET_CANDIDATES)
+        allocation = sq.allocate_for_budget(subject, candidates, args.budget, progress=say)
+        rows.append(allocation.pop("row"))
+    result = {"model": subject.name, "quality_metric": subject.quality_metric, "note": subject.note,
+              "schemes": rows}
+    if allocation is not None:
+        result["allocation"] = allocation
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(jsonable(result), f, indent=1)
+        if len(rows) > 2:
+            sq.plot_quality_vs_bits(rows, subject, os.path.join(args.out, "quality_vs_bits.png"))
+    if args.json:
+        _emit_json(result, out)
+    else:
+        print(f"{subject.name} — quality = {subject.quality_metric} "
+              f"({'higher' if subject.higher_is_better else 'lower'} is better)", file=out)
+        print(_quant_rows_table(rows, subject), file=out)
+        if subject.note:
+            print(f"note: {subject.note}", file=out)
+        if args.out:
+            print(f"wrote {args.out}/results.json" + (" and quality_vs_bits.png" if len(rows) > 2 else ""), file=out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fewbits train
+# ---------------------------------------------------------------------------------------------
+def _train_progress(quiet: bool):
+    """A progress callback printing to stderr about every 2 s (only runs longer than that show it)."""
+    import time
+
+    start = time.perf_counter()
+    last = [start]
+
+    def progress(step, total, loss):
+        now = time.perf_counter()
+        if quiet or (now - last[0] < 2.0 and step != total) or (step == total and now - start < 2.0):
+            return
+        last[0] = now
+        print(f"  step {step}/{total}  loss {loss:.4f}  ({now - start:.0f}s)", file=sys.stderr, flush=True)
+    return progress
+
+
+def _train_table(results) -> str:
+    def mb(v):
+        return "—" if v is None else f"{v / 1e6:.1f}"
+    rows = [[r["policy"], f"{r['final_loss']:.4f}", f"{r['step_time_s'] * 1e3:.1f}", mb(r["peak_memory_bytes"]),
+             mb(r["state_bytes"]), r["skipped_steps"], f"{r['underflow_fraction']:.2%}",
+             f"{r['lost_update_fraction']:.2%}"] for r in results]
+    return render_table(["policy", "final loss", "step ms", "peak MB", "state MB", "skipped", "underflow",
+                         "lost updates"], rows, right=range(1, 8))
+
+
+def cmd_train(args, out) -> int:
+    from .train import Policy, Telemetry
+    from .train.tasks import TaskConfig, plot_losses, run_task
+
+    names = [n.strip() for n in (args.compare or args.policy or "bf16-mixed").split(",") if n.strip()]
+    policies = [Policy.preset(n) for n in names]  # ValueError (exit 2) for an unknown name
+    cfg = TaskConfig(args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                     **{k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
+                                          ("n_heads", args.heads), ("seq", args.seq)) if v is not None})
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    results = []
+    for pol in policies:
+        if not args.json and not args.quiet:
+            print(f"training {cfg.task} under {pol.name} for {cfg.steps} steps", file=sys.stderr, flush=True)
+        tel = Telemetry(every=args.telemetry_every)
+        r = run_task(pol, cfg, telemetry=tel, progress=_train_progress(args.quiet or args.json))
+        r.pop("_engine")
+        if args.histogram and len(policies) == 1:
+            tel.plot_histograms(args.histogram, title=f"{cfg.task} under {pol.name}")
+        r["layers"] = tel.layers() if args.layers_detail else None
+        results.append(r)
+    plot = args.plot or (f"train_compare_{cfg.task}.png" if args.compare else None)
+    if plot:
+        plot_losses(results, plot, title=f"fewbits train --task {cfg.task}: loss by policy")
+    if args.json:
+        _emit_json(results if args.compare else results[0], out)
+    else:
+        print(_train_table(results), file=out)
+        print("step ms: median step time; peak MB: growth of the process's peak resident memory during the run; "
+              "state MB: weights, masters, gradients and optimizer states held; underflow: non-zero gradients "
+              "entering the backward matmuls that the format flushed to zero; lost updates: optimizer updates "
+              "that did not change the stored weights (sampled every "
+              f"{args.telemetry_every} steps).", file=out)
+    for path in [p for p in (plot, args.histogram if len(policies) == 1 else None) if p]:
+        print(f"wrote {path}", file=sys.stderr if args.json else out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fewbits memory, fewbits bench
+# ---------------------------------------------------------------------------------------------
+_MEMORY_SCHEMES = ("fp32", "bf16", "int8", "int4", "nf4_dq", "mxfp4", "nvfp4")
+_MEMORY_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "fp8-hybrid", "bf16-mixed-8bit-adam")
+_MEMORY_LABELS = {"weights": "weights", "master_weights": "master weights", "gradients": "gradients",
+                  "optimizer_states": "optimizer states", "activations": "activations",
+                  "kv_cache": "kv cache", "workspace": "workspace"}
+
+
+def _memory_heading(est) -> str:
+    what = f"{est.model}: {est.parameters:,} parameters"
+    if est.architecture:
+        what += f"; {est.architecture}"
+    run = f"{est.mode}, batch {est.batch} x {est.seq_len} tokens"
+    if est.optimizer:
+        run += f", optimizer {est.optimizer}"
+    return f"{what}\n{run}"
+
+
+def _memory_breakdown_text(est) -> str:
+    from .memory import format_bytes
+
+    rows = [[_MEMORY_LABELS[k], format_bytes(est.components[k]), format_bytes(est.at_peak[k])]
+            for k in _MEMORY_LABELS]
+    rows.append(["total (peak)", "", format_bytes(est.total)])
+    lines = [_memory_heading(est), f"precision {est.precision}: {est.weight_bits:.3f} bits per parameter "
+             "stored, scales included", "", render_table(["component", "size", "at peak"], rows, right={1, 2}),
+             "", f"peak: {est.peak_phase}.  phases: " +
+             "; ".join(f"{k} {format_bytes(v)}" for k, v in est.phases.items())]
+    if any(est.workspace_parts.values()):
+        lines.append("workspace: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}"
+                                               for k, v in est.workspace_parts.items() if v))
+    lines += [f"note: {n}" for n in est.notes]
+    lines.append("size: each component in full; at peak: what is alive at the peak (they sum to the total). "
+                 "GB = 10^9 bytes.")
+    return "\n".join(lines)
+
+
+def _memory_compare_text(ests) -> str:
+    from .memory import format_bytes
+
+    training = ests[0].mode == "training"
+    keys = [k for k in _MEMORY_LABELS if any(e.components[k] for e in ests)] or ["weights"]
+    headers = ["policy" if training else "scheme", "bits/param"] + [_MEMORY_LABELS[k] for k in keys] + \
+        ["total (peak)", "peak during"]
+    rows = [[e.precision, f"{e.weight_bits:.3f}"] + [format_bytes(e.components[k]) for k in keys] +
+            [format_bytes(e.total), e.peak_phase] for e in ests]
+    notes = sorted({n for e in ests for n in e.notes})
+    return "\n".join([_memory_heading(ests[0]), "", render_table(headers, rows, right=set(range(1, len(keys) + 3)))] +
+                     [f"note: {n}" for n in notes] +
+                     ["Components in full; the total is the peak of what is alive at once. GB = 10^9 bytes. "
+                      "One of them in detail: --scheme NAME or --policy NAME."])
+
+
+def cmd_memory(args, out) -> int:
+    from .memory import estimate_memory
+
+    common = dict(mode=args.mode, optimizer=args.optimizer, batch=args.batch, seq_len=args.seq_len,
+                  runtime=args.runtime, device=args.device, rest_format=args.rest_format, logits=args.logits)
+    if args.scheme or args.policy:
+        est = estimate_memory(args.model, scheme=args.scheme, policy=args.policy, **common)
+        if args.json:
+            _emit_json(est.as_dict(), out)
+        else:
+            print(_memory_breakdown_text(est), file=out)
+        return 0
+    if args.mode == "training":
+        ests = [estimate_memory(args.model, policy=p, **common) for p in _MEMORY_POLICIES]
+    else:
+        ests = [estimate_memory(args.model, scheme=s, **common) for s in _MEMORY_SCHEMES]
+    if args.json:
+        _emit_json([e.as_dict() for e in ests], out)
+    else:
+        print(_memory_compare_text(ests), file=out)
+    return 0
+
+
+def _bench_text(res) -> str:
+    from .hardware import KNOWN_ACCELERATORS
+
+    m, bw = res.machine, res.bandwidth
+    flags = ", ".join(m.get("matmul_flags", [])) or "—"
+    lines = [f"this machine: {m['name']}; {m['threads']} threads; torch {m['torch']}"
+             + (f"; {m['cpu_capability']} ({flags})" if "cpu_capability" in m else ""),
+             f"memory bandwidth: {bw.copy_gbs:.3g} GB/s copy (read + write of a {bw.buffer_bytes / 2 ** 20:.0f} MiB "
+             f"buffer), {bw.read_gbs:.3g} GB/s read (sum)", ""]
+    rows = [[d, s.kernel or "—", s.n or "—", f"{s.gflops:.3g}" if s.available else "—",
+             f"{s.ratio:.2f}" if s.ratio is not None else "—", s.note] for d, s in res.matmuls.items()]
+    lines += ["matmul throughput, n x n x n, best call:",
+              render_table(["dtype", "kernel", "n", "GFLOP/s", "x fp32", "note"], rows, right={2, 3, 4}), ""]
+    rows = []
+    for r in res.shapes:
+        acc = r["accelerators"]
+        n_bw = sum(v == "bandwidth" for v in acc.values())
+        on_acc = "—" if not acc else ("bandwidth on all" if n_bw == len(acc) else
+                                      "compute on all" if n_bw == 0 else f"bandwidth on {n_bw} of {len(acc)}")
+        rows.append([r["shape"], r["dtype"], f"{r['intensity']:.3g}", f"{r['ridge']:.3g}", r["bound"],
+                     f"{r['attainable_gflops']:.3g}",
+                     "—" if r["measured_gflops"] is None else f"{r['measured_gflops']:.3g}", on_acc])
+    lines += [f"roofline (shape MxNxK: M tokens through a K x N weight; bandwidth {bw.copy_gbs:.3g} GB/s):",
+              render_table(["shape", "dtype", "op/byte", "ridge", "bound here", "roofline GFLOP/s",
+                            "measured", "known accelerators"], rows, right={2, 3, 5, 6}), ""]
+    rows = [[a.name, f"{a.memory_gb:g}", f"{a.bandwidth_gbs:g}"] +
+            ["—" if a.peak(d) is None else f"{a.peak(d):g}" for d in ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")]
+            + [f"{a.ridge('bf16'):.0f}" if a.bf16 else "—", a.note] for a in KNOWN_ACCELERATORS]
+    lines += ["known accelerators: dense peaks in TFLOP/s (int8: TOP/s), memory in GB, bandwidth in GB/s:",
+              render_table(["accelerator", "memory", "GB/s", "fp32", "tf32", "fp16", "bf16", "fp8", "int8",
+                            "bf16 ridge", "note"], rows, right=set(range(1, 10))),
+              "", f"int8 counts integer operations (GOP/s, TOP/s). x fp32: throughput relative to fp32 here. ridge: "
+                  f"operations per byte above which a matmul is compute-bound. Measured in {res.seconds:.0f} s."]
+    return "\n".join(lines)
+
+
+def cmd_bench(args, out) -> int:
+    from .hardware import MATMUL_DTYPES, MatmulShape, run_bench
+
+    shapes = [MatmulShape.parse(s) for s in (args.shape or ["1x4096x4096", "512x4096x4096"])]
+    dtypes = [d.strip() for d in (args.dtypes or ",".join(MATMUL_DTYPES)).split(",") if d.strip()]
+    if args.budget <= 0 or args.buffer_mb <= 0:
+        raise ValueError(f"--budget and --buffer-mb must be positive, got {args.budget} and {args.buffer_mb}")
+    say = None if args.json else (lambda s: print(f"[fewbits bench] {s}", file=sys.stderr, flush=True))
+    res = run_bench(shapes, dtypes, budget_s=args.budget, device=args.device, buffer_mb=args.buffer_mb,
+                    progress=say)
+    if args.json:
+        _emit_json(res.as_dict(), out)
+    else:
+        print(_bench_text(res), file=out)
+    if args.plot:
+        from .study.hardware_figures import save_roofline_figure
+
+        save_roofline_figure(res, args.plot)
+        _wrote(args, out)
+    return 0
+
+
+def _add_memory_and_bench(sub) -> None:
+    p = sub.add_parser("memory", help="memory of a model in a precision: weights, gradients, optimizer, "
+                                      "activations, KV cache",
+                       description="Predicted memory of a model (a parameter count such as 7B or 135M, or a "
+                                   "Hugging Face config.json) for inference or a training step, per component "
+                                   "and at the peak. Without --scheme or --policy: a table of common choices.")
+    p.add_argument("model", metavar="MODEL", help="parameter count (7B, 1.5B, 135M, 7000000000) or a config.json "
+                                                  "(or its directory) of a llama-like or bert-like model")
+    p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    p.add_argument("--scheme", metavar="NAME", help="weight storage: a format (fp32, bf16, int8, int4: plain bits, "
+                   "no scales) or a quantization preset (nf4_dq, mxfp4, nvfp4, int4_g32, ...)")
+    p.add_argument("--policy", metavar="NAME", help="a training policy preset (fp32, bf16-mixed, bf16-pure, "
+                   "fp8-hybrid, ...)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, adamw8bit, lion, sgd, "
+                                                        "sgd_momentum, adafactor")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 512, or a bert-like model's "
+                                                "positions if fewer)")
+    p.add_argument("--runtime", choices=("torch", "fewbits"), default="torch",
+                   help="torch: stock PyTorch (autocast for mixed policies); fewbits: fewbits.train.Engine")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="kernels differ (default cpu)")
+    p.add_argument("--rest-format", default="bf16", metavar="FMT",
+                   help="storage of embeddings and norms under a quantization preset (default bf16)")
+    p.add_argument("--logits", choices=("all", "last"), default="all",
+                   help="inference: score every position (all, default) or only the last (generation)")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("bench", help="this machine's memory bandwidth and matmul speed per precision, rooflines",
+                       description="Measure memory bandwidth and matmul throughput per dtype (fp32, tf32, bf16, "
+                                   "fp16, fp8, int8) as ratios to fp32, place matmul shapes on the roofline, "
+                                   "and list known accelerator peaks. Under a minute by default.")
+    p.add_argument("--shape", action="append", metavar="MxNxK",
+                   help="matmul shape(s) to place on the roofline, repeatable (default 1x4096x4096 and "
+                        "512x4096x4096)")
+    p.add_argument("--dtypes", metavar="A,B", help="only these (fp32,tf32,bf16,fp16,fp8,int8)")
+    p.add_argument("--budget", type=float, default=1.5, metavar="SECONDS", help="time per probe (default 1.5)")
+    p.add_argument("--buffer-mb", type=int, default=256, metavar="MIB",
+                   help="bandwidth probe buffer (default 256; keep it above the caches)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the rooflines")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_bench)
+
+
+# ---------------------------------------------------------------------------------------------
+# fewbits study
+# ---------------------------------------------------------------------------------------------
+def cmd_study(args, out) -> int:
+    from .study.run import Progress, check_model_path, parse_parts, run_study
+
+    parts = parse_parts(args.only)  # ValueError (exit 2) for an unknown part, before anything runs
+    model = check_model_path(args.model) if args.model else None
+    study = run_study(out=args.out, quick=args.quick, parts=parts, model=model,
+                      progress=Progress(enabled=not args.quiet))
+    failed = [p for p in study["parts"] if p["status"] != "ok"]
+    if args.json:
+        _emit_json({"report": study["report"], "results": os.path.join(args.out, "results.json"),
+                    "seconds": study["seconds"],
+                    "parts": [{"name": p["name"], "status": p["status"], "seconds": p["seconds"],
+                               "error": p.get("error"), "figures": [f["file"] for f in p["figures"]]}
+                              for p in study["parts"]]}, out)
+    else:
+        rows = [[p["name"], p["status"], f"{p['seconds']:.1f}", len(p["figures"]), len(p["tables"]),
+                 p.get("error") or ""] for p in study["parts"]]
+        print(render_table(["part", "status", "seconds", "figures", "tables", "error"], rows, right={2, 3, 4}),
+              file=out)
+        print(f"report: {study['report']} ({study['seconds']:.0f} s); every number in "
+              f"{os.path.join(args.out, 'results.json')}", file=out)
+    return 1 if failed else 0
+
+
+def _add_study(sub) -> None:
+    p = sub.add_parser("study", help="measure every precision on real models and write a report",
+                       description="Run the study offline on the built-in real models: number formats, memory "
+                                   "per format and training policy (estimated and measured), speed on this "
+                                   "machine, quantization of MiniLM and SmolLM2, training under precision "
+                                   "policies. Writes report.html with PNG figures and results.json. Exit code 1 "
+                                   "when a part failed (the report says why; the others still ran).")
+    p.add_argument("--quick", action="store_true", help="a short run for first contact and CI (minutes)")
+    p.add_argument("--only", metavar="PARTS", help="comma-separated parts: formats,memory,speed,quant,train")
+    p.add_argument("--out", default="fewbits-report", metavar="DIR", help="report directory (default fewbits-report)")
+    p.add_argument("--model", metavar="PATH", help="your Hugging Face model directory for the memory and "
+                                                   "quantization parts (instead of MiniLM and SmolLM2)")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
+    p.set_defaults(func=cmd_study)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fewbits",
@@ -347,6 +722,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot the relative error in each format")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("quantize", help="quantize a real model and measure quality, size and speed",
+                       description="Quantize a real model (MiniLM, SmolLM2 or your Hugging Face model directory) "
+                                   "under one or more schemes and measure quality, bits per parameter, bytes "
+                                   "and throughput against fp32.")
+    p.add_argument("--model", default="minilm", metavar="NAME|PATH",
+                   help="minilm, smollm2 or a path to a Hugging Face model directory (default minilm)")
+    p.add_argument("--scheme", metavar="NAME", help="a quantization preset (see `fewbits quantize --list`)")
+    p.add_argument("--compare", metavar="A,B,C", nargs="?", const=_QUANT_DEFAULT_COMPARE,
+                   help=f"several presets: a comparison table and plot (alone: {_QUANT_DEFAULT_COMPARE})")
+    p.add_argument("--method", choices=("rtn", "gptq"), default="rtn", help="rounding method (default rtn)")
+    p.add_argument("--budget", type=float, metavar="BITS",
+                   help="choose a scheme per layer to fit this many bits per parameter")
+    p.add_argument("--out", metavar="DIR", help="write results.json and quality_vs_bits.png there")
+    p.add_argument("--quick", action="store_true", help="fewer evaluation sentences/tokens")
+    p.add_argument("--list", action="store_true", help="list the quantization presets and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("train", help="train a built-in task under precision policies",
+                       description="Train a small GPT-style LM on Python's pydoc_data text (--task lm) or an "
+                                   "MLP on scikit-learn's digits (--task mlp) under a precision policy, or "
+                                   "compare several: final loss, step time, memory, skipped steps, underflow "
+                                   "and lost updates, with a loss-curve plot.")
+    p.add_argument("--policy", metavar="NAME", help="a policy preset (default bf16-mixed): "
+                   "fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, mxfp8, bf16-pure, bf16-pure-sr, "
+                   "bf16-pure-kahan, ...")
+    p.add_argument("--compare", metavar="P1,P2,...", help="several policies: a table and a loss-curve PNG")
+    p.add_argument("--task", choices=("lm", "mlp"), default="mlp", help="lm or mlp (default mlp)")
+    p.add_argument("--steps", type=int, help="training steps (default: lm 20, mlp 300)")
+    p.add_argument("--batch-size", type=int, help="default: lm 16, mlp 128")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, help="lm width (default 512)")
+    p.add_argument("--layers", type=int, help="lm layers (default 4)")
+    p.add_argument("--heads", type=int, help="lm attention heads (default 8)")
+    p.add_argument("--seq", type=int, help="lm sequence length (default 256)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--telemetry-every", type=int, default=10, metavar="N", help="sample numerics every N steps")
+    p.add_argument("--plot", metavar="FILE.png", help="loss-curve plot (default with --compare: "
+                                                      "train_compare_TASK.png)")
+    p.add_argument("--histogram", metavar="FILE.png", help="exponent histograms of one policy's tensors")
+    p.add_argument("--layers-detail", action="store_true", help="per-layer telemetry in the JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_train)
+
+    _add_memory_and_bench(sub)
+    _add_study(sub)
     return parser
 
 
@@ -383,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, sys.stdout)
     except ValueError as exc:
+        print(f"fewbits {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional package is missing: the message carries the pip hint
         print(f"fewbits {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `fewbits formats | head`: the reader left; stop quietly

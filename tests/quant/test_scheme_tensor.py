@@ -51,7 +51,7 @@ def test_unknown_scheme_names_close_ones():
     with pytest.raises(ValueError, match="nf4"):
         get_scheme("nf5")
     assert get_scheme("NF4-DQ").name == "nf4_dq"
-    assert get_scheme("Q4_1").group_size == 32
+    assert get_scheme("int4-asym-g32").group_size == 32
 
 
 @pytest.mark.parametrize("name", list_schemes())
@@ -288,3 +288,10 @@ def test_entries_the_scheme_does_not_use_are_rejected():
     with pytest.raises(ValueError, match="zero_points not used"):
         QuantizedTensor.from_state_dict(q.scheme, q.shape, q.dtype,
                                         {**q.state_dict(), "zero_points": torch.zeros(4, dtype=torch.uint8)})
+
+
+@pytest.mark.parametrize("name", ["int4", "nf4_dq", "mxfp4", "nvfp4", "int4_asym", "fp8", "bf16"])
+@pytest.mark.parametrize("shape", [(0, 16), (16, 0), (0,)])
+def test_empty_tensors(name, shape):
+    q = quantize(torch.zeros(shape), name)
+    assert q.dequantize().shape == shape

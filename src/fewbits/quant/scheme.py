@@ -342,7 +342,7 @@ def _presets() -> dict[str, QuantScheme]:
 _PRESETS = _presets()
 _PRESET_ALIASES = {"fp8_tensor": "fp8", "fp8_e4m3": "fp8", "int4_sym": "int4", "nf4_double_quant": "nf4_dq",
                    "nf4dq": "nf4_dq", "int8_channel": "int8", "mxfp6_e3m2": "mxfp6", "mxfp8_e4m3": "mxfp8",
-                   "bfloat16": "bf16", "float16": "fp16", "q4_1": "int4_asym_g32"}
+                   "bfloat16": "bf16", "float16": "fp16"}
 
 
 def list_schemes() -> list[str]:

@@ -50,8 +50,8 @@ def to_groups(x: torch.Tensor, scheme: QuantScheme):
 
 def from_groups(g: torch.Tensor, scheme: QuantScheme, shape) -> torch.Tensor:
     """Inverse of to_groups: crop the padding and restore the tensor's shape."""
-    rows, cols, _, _ = scheme.layout(shape)
-    m = g.reshape(rows, -1)[:, :cols]
+    rows, cols, pcols, _ = scheme.layout(shape)
+    m = g.reshape(rows, pcols)[:, :cols]
     if scheme.granularity == "channel":
         ax = scheme._axis(len(shape))
         moved = (shape[ax],) + tuple(s for i, s in enumerate(shape) if i != ax)

@@ -1,0 +1,525 @@
+"""Saving and loading quantized tensors and models: one safetensors file with JSON metadata.
+
+File layout (format "fewbits", version 1). The safetensors header's `__metadata__` holds:
+- "format": "fewbits", "version": "1", "content": "model" | "tensor" | "tensors",
+  "fewbits_version": the writer's package version (informative);
+- "quantized": JSON {name: {"scheme": QuantScheme.to_dict(), "shape": [...], "dtype": "float32",
+  "module": "linear" | "embedding" | null}}; the tensors of entry `name` are stored under
+  `<name>.<key>` for each key of QuantizedTensor.state_dict() (codes, scales, zero_points, ...);
+- "entries" (content "tensors"): JSON list of the saved names in order (quantized or plain);
+- "aliases" (content "model"): JSON {state-dict key: key it is stored under} for tied tensors;
+- "checksum": "sha256:<hex>" over the rest of the metadata and every tensor's name, dtype,
+  shape and bytes. safetensors checks the header's structure; the checksum catches a flipped
+  bit anywhere else (a scheme field, a code byte) that would otherwise load as a wrong model.
+
+A model file holds every tensor of the model's state_dict() as it is, except that each quantized
+module (one with a `.qweight` QuantizedTensor) is stored as its qweight's tensors plus its
+`<module>.bias`. Loading needs a float skeleton of the same architecture: the listed layers are
+replaced by quantized modules and every other tensor is copied in. Loading checks everything
+before it changes the model, so a bad file leaves the model as it was. Writes go to a temporary
+file in the target's directory that replaces the target only once it is complete and synced.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .model import is_quantized, quantized_module, set_submodule
+from .scheme import QuantScheme
+from .tensor import STATE_KEYS, QuantizedTensor, expected_keys
+
+FORMAT_MARKER = "fewbits"
+FORMAT_VERSION = 1
+CONTENTS = ("model", "tensor", "tensors")
+SINGLE_TENSOR_NAME = "tensor"
+_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+_MAX_LISTED_PROBLEMS = 8
+
+
+class FileFormatError(ValueError):
+    """A file that cannot be loaded: unreadable as safetensors, not a fewbits file, a version this
+    fewbits does not know, corrupted, or not matching the model it is loaded into."""
+
+    def __init__(self, path, problem: str):
+        self.path = os.fspath(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+def save(obj, path) -> None:
+    """Save a quantized (or float) model, a QuantizedTensor, or a dict {name: QuantizedTensor or
+    tensor} to one safetensors file at `path`, atomically (see the module docstring)."""
+    if isinstance(obj, nn.Module):
+        content, tensors, meta = "model", *_model_entries(obj)
+    elif isinstance(obj, QuantizedTensor):
+        content, tensors, meta = "tensor", *_dict_entries({SINGLE_TENSOR_NAME: obj})
+    elif isinstance(obj, Mapping):
+        content, tensors, meta = "tensors", *_dict_entries(obj)
+    else:
+        raise TypeError(f"save() takes an nn.Module, a QuantizedTensor or a dict of them, got {type(obj).__name__}")
+    from .. import __version__
+    metadata = {"format": FORMAT_MARKER, "version": str(FORMAT_VERSION), "content": content,
+                "fewbits_version": __version__}
+    metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
+    metadata["checksum"] = _checksum(metadata, tensors)
+    _atomic_write(tensors, path, metadata)
+
+
+def _qt_info(qt: QuantizedTensor, module_kind: str | None) -> dict:
+    return {"scheme": qt.scheme.to_dict(), "shape": list(qt.shape), "dtype": _dtype_name(qt.dtype),
+            "module": module_kind}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dict_entries(objs: Mapping) -> tuple[dict, dict]:
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    entries = []
+    for name, value in objs.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"names of saved tensors must be non-empty strings, got {name!r}")
+        if isinstance(value, QuantizedTensor):
+            quantized[name] = _qt_info(value, None)
+            for key, t in value.state_dict().items():
+                _add(tensors, f"{name}.{key}", t)
+        elif isinstance(value, torch.Tensor):
+            _add(tensors, name, value)
+        else:
+            raise TypeError(f"{name!r}: save() stores QuantizedTensors and tensors, got {type(value).__name__}")
+        entries.append(name)
+    return _unshare(tensors, aliases=False)[0], {"quantized": quantized, "entries": entries}
+
+
+def _add(tensors: dict, key: str, t: torch.Tensor) -> None:
+    if key in tensors:
+        raise ValueError(f"two saved tensors would be stored under the same key {key!r}; rename one")
+    if t.layout != torch.strided:
+        raise ValueError(f"{key!r} is a {t.layout} tensor; save() stores dense tensors")
+    tensors[key] = t.detach()
+
+
+def _module_kind(module: nn.Module) -> str:
+    from .modules import QuantEmbedding  # modules sits beside io; imported lazily like model.py does
+    return "embedding" if isinstance(module, (QuantEmbedding, nn.Embedding)) else "linear"
+
+
+def _model_entries(model: nn.Module) -> tuple[dict, dict]:
+    quantized_names = [name for name, m in model.named_modules() if is_quantized(m)]
+    if "" in quantized_names:
+        raise ValueError("the model itself is a quantized module: save its .qweight (a QuantizedTensor) instead")
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    for name in quantized_names:
+        if _owner(name, quantized) is not None:
+            continue  # inside a quantized module already saved (its state is rebuilt with it)
+        m = model.get_submodule(name)
+        quantized[name] = _qt_info(m.qweight, _module_kind(m))
+        for key, t in m.qweight.state_dict().items():
+            _add(tensors, f"{name}.qweight.{key}", t)
+        bias = getattr(m, "bias", None)
+        if bias is not None:
+            _add(tensors, f"{name}.bias", bias)
+    for key, value in model.state_dict(keep_vars=True).items():
+        if _owner(key, quantized) is not None:
+            continue  # a quantized module's own buffers (derived kernel layouts) are rebuilt on load
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict entry {key!r} is a {type(value).__name__}; save() stores tensors only")
+        _add(tensors, key, value)
+    tensors, aliases = _unshare(tensors)
+    return tensors, {"quantized": quantized, "aliases": aliases}
+
+
+def _owner(key: str, names) -> str | None:
+    """The name in `names` that `key` lies under ("a.b.c" lies under "a.b" and "a"), or None."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if prefix in names:
+            return prefix
+    return None
+
+
+def _unshare(tensors: dict, aliases: bool = True) -> tuple[dict, dict]:
+    """Tensors ready for safetensors: on the CPU, contiguous, no two sharing memory. With
+    `aliases`, a tensor that is exactly another one (tied weights) is stored once and listed as
+    an alias; any other sharing is stored as a copy."""
+    out: dict[str, torch.Tensor] = {}
+    alias_of: dict[str, str] = {}
+    seen: dict[tuple, str] = {}          # exact view -> key stored
+    storages: set[tuple] = set()
+    for key, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"{key!r} is on the meta device: it holds no data to save")
+        view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        storage = (t.device, t.untyped_storage().data_ptr())
+        if aliases and t.numel() and view in seen:
+            alias_of[key] = seen[view]
+            continue
+        t = t.cpu().contiguous()
+        if t.numel() and storage in storages:
+            t = t.clone()
+        if t.numel():
+            seen[view] = key
+            storages.add(storage)
+            storages.add((t.device, t.untyped_storage().data_ptr()))
+        out[key] = t
+    return out, alias_of
+
+
+def _checksum(metadata: dict, tensors: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in metadata.items() if k != "checksum"}, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key]
+        h.update(f"\0{key}\0{_dtype_name(t.dtype)}\0{list(t.shape)}\0".encode())
+        if t.numel():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return "sha256:" + h.hexdigest()
+
+
+def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """Write the file (a seam: tests replace it with one that fails midway)."""
+    from safetensors.torch import save_file
+    save_file(tensors, path, metadata=metadata)
+
+
+def _atomic_write(tensors: dict, path, metadata: dict) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        _write_safetensors(tensors, tmp, metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it a normal file's mode
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable; not every platform can open a directory."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+def load(path, model: nn.Module | None = None):
+    """Load a file written by save().
+
+    A QuantizedTensor file gives the QuantizedTensor, a dict file the dict. A model file needs
+    `model`: a freshly constructed float model of the same architecture. Its layers saved as
+    quantized are replaced by quantized modules and all its other tensors are loaded; the model
+    is returned. Any problem raises FileFormatError (a ValueError) naming the file, and leaves
+    the model untouched.
+    """
+    metadata, tensors = _read(path)
+    content = metadata["content"]
+    if content == "model":
+        if model is None:
+            raise ValueError(f"{os.fspath(path)} holds a model: pass model=, a freshly constructed float model "
+                             "of the same architecture, to load it into")
+        return _load_model(path, metadata, tensors, model)
+    if model is not None:
+        raise ValueError(f"{os.fspath(path)} holds quantized tensors, not a model: call load(path) without model=")
+    quantized = {name: qt for name, (qt, _) in _quantized_tensors(path, metadata, tensors, "{}.").items()}
+    if content == "tensor":
+        if set(quantized) != {SINGLE_TENSOR_NAME} or tensors:
+            raise FileFormatError(path, "a single-tensor file must hold exactly one quantized tensor")
+        return quantized[SINGLE_TENSOR_NAME]
+    entries = _json_field(path, metadata, "entries", list)
+    if len(set(entries)) != len(entries) or not all(isinstance(e, str) for e in entries):
+        raise FileFormatError(path, "the 'entries' list is malformed")
+    out = {}
+    for name in entries:
+        if name in quantized:
+            out[name] = quantized.pop(name)
+        elif name in tensors:
+            out[name] = tensors.pop(name)
+        else:
+            raise FileFormatError(path, f"entry {name!r} has no tensors in the file")
+    leftover = sorted(set(quantized) | set(tensors))
+    if leftover:
+        raise FileFormatError(path, f"unexpected tensors not listed in 'entries': {_listing(leftover)}")
+    return out
+
+
+def _read(path) -> tuple[dict, dict]:
+    """(metadata, tensors) of a fewbits file, checked for marker, version and checksum."""
+    from safetensors import SafetensorError, safe_open
+    path_s = os.fspath(path)
+    if not os.path.isfile(path_s):
+        if os.path.exists(path_s):
+            raise FileFormatError(path, "not a regular file")
+        raise FileNotFoundError(f"no such file: {path_s}")
+    try:
+        with safe_open(path_s, framework="pt", device="cpu") as f:
+            metadata = f.metadata()
+            _check_marker(path, metadata)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise FileFormatError(path, f"not a readable safetensors file (truncated or corrupted?): {e}") from None
+    if metadata["checksum"] != _checksum(metadata, tensors):
+        raise FileFormatError(path, "checksum mismatch: the file is corrupted")
+    return metadata, tensors
+
+
+def _check_marker(path, metadata) -> None:
+    if not metadata or metadata.get("format") != FORMAT_MARKER:
+        raise FileFormatError(path, "not a fewbits file (its safetensors metadata has no format='fewbits' marker); "
+                              "a plain safetensors file loads with safetensors.torch.load_file")
+    version = metadata.get("version", "")
+    if not (version.isascii() and version.isdigit()):
+        raise FileFormatError(path, f"bad format version {version!r}")
+    if int(version) > FORMAT_VERSION:
+        raise FileFormatError(path, f"format version {version} is newer than this fewbits reads "
+                              f"(up to {FORMAT_VERSION}): upgrade fewbits")
+    if int(version) < 1:
+        raise FileFormatError(path, f"bad format version {version!r}")
+    if metadata.get("content") not in CONTENTS:
+        raise FileFormatError(path, f"unknown content {metadata.get('content')!r}")
+    if not metadata.get("checksum", "").startswith("sha256:"):
+        raise FileFormatError(path, "the checksum is missing")
+
+
+def _json_field(path, metadata: dict, key: str, kind: type):
+    try:
+        value = json.loads(metadata[key])
+    except KeyError:
+        raise FileFormatError(path, f"the metadata has no {key!r} entry") from None
+    except json.JSONDecodeError as e:
+        raise FileFormatError(path, f"the metadata's {key!r} entry is not valid JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise FileFormatError(path, f"the metadata's {key!r} entry must be a JSON {kind.__name__}")
+    return value
+
+
+def expected_state_keys(scheme: QuantScheme) -> set[str]:
+    """The keys of QuantizedTensor.state_dict() for a tensor in this scheme."""
+    return set(expected_keys(scheme))
+
+
+def _quantized_tensors(path, metadata: dict, tensors: dict, prefix_fmt: str) -> dict:
+    """{name: (QuantizedTensor, module kind)} for the entries listed in the metadata, their
+    tensors (stored under prefix_fmt.format(name) + key) popped from `tensors`."""
+    listed = _json_field(path, metadata, "quantized", dict)
+    out = {}
+    for name, info in listed.items():
+        where = f"quantized tensor {name!r}"
+        if not isinstance(info, dict) or set(info) != {"scheme", "shape", "dtype", "module"}:
+            raise FileFormatError(path, f"{where}: malformed description")
+        shape, dtype = info["shape"], info["dtype"]
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                for s in shape)):
+            raise FileFormatError(path, f"{where}: bad shape {shape!r}")
+        if dtype not in _FLOAT_DTYPES:
+            raise FileFormatError(path, f"{where}: bad dtype {dtype!r}")
+        try:
+            scheme = QuantScheme.from_dict(info["scheme"])
+        except (TypeError, ValueError) as e:
+            raise FileFormatError(path, f"{where}: bad scheme: {e}") from None
+        prefix = prefix_fmt.format(name)
+        want = expected_state_keys(scheme)
+        present = {k[len(prefix):] for k in tensors if k.startswith(prefix) and k[len(prefix):] in STATE_KEYS}
+        if present != want:
+            missing, extra = sorted(want - present), sorted(present - want)
+            raise FileFormatError(path, f"{where} in scheme {scheme.label}: "
+                                  + (f"missing {', '.join(missing)}" if missing else "")
+                                  + ("; " if missing and extra else "")
+                                  + (f"unexpected {', '.join(extra)}" if extra else ""))
+        try:
+            qt = QuantizedTensor.from_state_dict(scheme, shape, _FLOAT_DTYPES[dtype],
+                                                 {k: tensors[prefix + k] for k in want})
+        except (TypeError, ValueError) as e:
+            raise FileFormatError(path, f"{where}: {e}") from None
+        for k in want:
+            del tensors[prefix + k]
+        out[name] = (qt, info["module"])
+    return out
+
+
+def _listing(names) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:_MAX_LISTED_PROBLEMS])
+    return shown + (f" (and {len(names) - _MAX_LISTED_PROBLEMS} more)" if len(names) > _MAX_LISTED_PROBLEMS else "")
+
+
+def _load_model(path, metadata: dict, tensors: dict, model: nn.Module) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    already = [name or "<the model>" for name, m in model.named_modules() if is_quantized(m)]
+    if already:
+        raise ValueError(f"load() needs a freshly constructed float model; this one already has quantized "
+                         f"modules: {_listing(already)}")
+    quantized = _quantized_tensors(path, metadata, tensors, "{}.qweight.")
+    aliases = _json_field(path, metadata, "aliases", dict)
+    problems: list[str] = []
+
+    # --- quantized layers: the skeleton must have a float Linear/Embedding of the right shape --------
+    new_modules: dict[str, tuple[nn.Module, QuantizedTensor, torch.Tensor | None]] = {}
+    for name, (qt, kind) in quantized.items():
+        if not name:
+            problems.append("a quantized entry has an empty module name")
+            continue
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            problems.append(f"the model has no module {name!r}")
+            continue
+        want_type = {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind)
+        if want_type is None:
+            problems.append(f"{name!r}: unknown module kind {kind!r}")
+            continue
+        if not isinstance(module, want_type):
+            problems.append(f"{name!r} is a {type(module).__name__} in the model, an nn.{want_type.__name__} in the file")
+            continue
+        if tuple(module.weight.shape) != tuple(qt.shape):
+            problems.append(f"{name!r}: weight shape {tuple(module.weight.shape)} in the model, "
+                            f"{tuple(qt.shape)} in the file")
+            continue
+        bias = tensors.pop(f"{name}.bias", None)
+        model_bias = getattr(module, "bias", None) if kind == "linear" else None
+        if (bias is None) != (model_bias is None):
+            problems.append(f"{name!r}: " + ("the model has a bias, the file has none" if bias is None
+                                             else "the file has a bias, the model has none"))
+            continue
+        if bias is not None and (tuple(bias.shape) != tuple(model_bias.shape) or not bias.is_floating_point()):
+            problems.append(f"{name!r}: bias {bias.dtype} {tuple(bias.shape)} in the file, "
+                            f"{model_bias.dtype} {tuple(model_bias.shape)} in the model")
+            continue
+        new_modules[name] = (module, qt, bias)
+
+    # --- every other tensor: exactly the skeleton's state, same dtype and shape ----------------------
+    state = model.state_dict(keep_vars=True)
+    float_keys = [k for k in state if _owner(k, quantized) is None]
+    sources: dict[str, torch.Tensor] = {}
+    for key in float_keys:
+        stored = aliases.get(key, key)
+        src = tensors.get(stored)
+        target = state[key]
+        if src is None:
+            problems.append(f"missing tensor {key!r}")
+        elif not isinstance(target, torch.Tensor):
+            problems.append(f"the model's state entry {key!r} is not a tensor")
+        elif src.dtype != target.dtype or src.shape != target.shape:
+            problems.append(f"{key!r}: {_dtype_name(src.dtype)} {tuple(src.shape)} in the file, "
+                            f"{_dtype_name(target.dtype)} {tuple(target.shape)} in the model")
+        elif target.is_meta and _slot(model, key) is None:
+            problems.append(f"{key!r} is on the meta device and is no parameter or buffer to assign")
+        else:
+            sources[key] = src
+    used = {aliases.get(k, k) for k in float_keys}
+    unexpected = sorted(set(tensors) - used) + sorted(set(aliases) - set(float_keys))
+    if unexpected:
+        problems.append(f"tensors the model does not have: {_listing(unexpected)}")
+    if problems:
+        raise FileFormatError(path, f"does not match the model ({len(problems)} problem"
+                              f"{'s' if len(problems) > 1 else ''}): {'; '.join(problems[:_MAX_LISTED_PROBLEMS])}"
+                              + (f"; and {len(problems) - _MAX_LISTED_PROBLEMS} more" if len(problems) > _MAX_LISTED_PROBLEMS else ""))
+
+    # --- build the quantized modules off to the side -------------------------------------------------
+    built = {}
+    for name, (module, qt, bias) in new_modules.items():
+        try:
+            built[name] = quantized_module(_shadow(module, bias), _to_device_of(qt, module.weight))
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise FileFormatError(path, f"cannot build the quantized module {name!r}: {e}") from None
+
+    # --- only now change the model ---------------------------------------------------------------
+    for name, new in built.items():
+        set_submodule(model, name, new)
+    assigned: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, src in sources.items():
+            target = state[key]
+            if target.is_meta:  # a skeleton built on the meta device: take the loaded tensor itself
+                if id(target) not in assigned:
+                    assigned[id(target)] = (nn.Parameter(src, requires_grad=target.requires_grad)
+                                            if isinstance(target, nn.Parameter) else src)
+                _assign(model, key, assigned[id(target)])
+            else:
+                target.copy_(src)
+    return model
+
+
+def _to_device_of(qt: QuantizedTensor, ref: torch.Tensor) -> QuantizedTensor:
+    return qt if ref.is_meta or ref.device == qt.device else qt.to(ref.device)
+
+
+def _shadow(module: nn.Module, bias: torch.Tensor | None) -> nn.Module:
+    """A copy of the skeleton's Linear/Embedding with no weight data (meta) and the loaded bias,
+    for quantized_module(): the skeleton's own tensors stay untouched until everything is built."""
+    w = module.weight
+    if isinstance(module, nn.Embedding):
+        return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                            max_norm=module.max_norm, norm_type=module.norm_type,
+                            scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
+                            device="meta", dtype=w.dtype)
+    shadow = nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=w.dtype)
+    if bias is not None:
+        device = module.bias.device if not module.bias.is_meta else bias.device
+        shadow.bias = nn.Parameter(bias.to(device), requires_grad=module.bias.requires_grad)
+    return shadow
+
+
+def _slot(model: nn.Module, key: str) -> tuple[dict, str] | None:
+    """The (_parameters or _buffers dict, name) that state-dict `key` lives in, or None when the
+    key was made by a custom state-dict hook."""
+    owner_name, _, attr = key.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name) if owner_name else model
+    except AttributeError:
+        return None
+    for slots in (owner._parameters, owner._buffers):
+        if attr in slots:
+            return slots, attr
+    return None
+
+
+def _assign(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    slots, attr = _slot(model, key)
+    slots[attr] = value

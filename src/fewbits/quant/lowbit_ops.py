@@ -1,0 +1,301 @@
+"""Thin wrappers around torch's own low-bit CPU matmul kernels, and the layouts they expect.
+
+Every wrapper here states the arithmetic of the kernel it calls, because the quantized modules
+promise results equal to `F.linear(x, qweight.dequantize())` up to exactly that arithmetic:
+
+int4 weight-only -- `aten._weight_int4pack_mm_for_cpu` ("tinygemm"):
+    weight value = (u - 8) * s + z, u the unsigned 4-bit code, (s, z) per (group, output
+    channel) stored as bfloat16 pairs in `scales_and_zeros` [K / group, N, 2]; activations and
+    the result are bfloat16 (the AVX-512/AVX2 kernels exist only for bfloat16: float32 runs a
+    scalar loop), products accumulate in float32. Group sizes 32/64/128/256, N a multiple of 16,
+    K a multiple of the group size. The packed weight is [N, K / 2] uint8 (4 bits per value),
+    but its nibbles are permuted into blocks of BLOCK_N output channels that depend on the CPU
+    capability torch dispatches to (see `int4pack_layout`).
+int8 weight-only -- `aten._weight_int8pack_mm`:
+    y = bf16(float32(x_bf16 . w_int8) * s_bf16); K must be a multiple of 16 (other K read out of
+    bounds in torch 2.x: wrong results or a crash), and the float32/float16 variants are scalar
+    loops, so activations go in as bfloat16.
+w8a8 -- int8 x int8 -> int32, exact integer accumulation, then one float32 rescale:
+    `onednn.qlinear_pointwise` on a prepacked weight (uint8 activations with zero point 128 carry
+    the int8 values exactly; its signed-int8 activation path is a slow reference loop), or
+    `torch._int_mm` where oneDNN is not there.
+bf16 -- oneDNN's bfloat16 GEMM behind F.linear: float32 accumulation, bfloat16 result.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+from ..formats import FloatFormat, LookupFormat, get_format
+from ..kernels import decode, pack, unpack
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # the group sizes tinygemm's CPU kernel accepts
+INT4_N_MULTIPLE = 16
+INT8PACK_K_MULTIPLE = 16
+
+
+SERIAL_MAX_NUMEL = 1 << 20  # elementwise steps on at most this many values run on one thread
+
+
+@contextlib.contextmanager
+def one_thread_if_small(numel: int):
+    """Run the small elementwise steps around a kernel (casts, activation quantization, rescale,
+    bias) on one thread; the kernel itself keeps all threads.
+
+    Why: each multi-threaded torch op is a parallel region that ends in a barrier. On a machine
+    whose few cores are shared with other work, a barrier waits until the descheduled thread
+    runs again -- about 12 ms per region on this project's 2-core VM under load, against tens
+    of microseconds of work for an activation of 64 x 4096. torch.set_num_threads changes the
+    calling thread's OpenMP and MKL settings only, and costs well under a microsecond."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or numel > SERIAL_MAX_NUMEL:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _has_op(namespace, name: str) -> bool:
+    try:
+        return hasattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# int4: torch's packed layout
+# ---------------------------------------------------------------------------------------------
+def _unpack_int4pack(packed: torch.Tensor, n: int, k: int, block_n: int, halves: bool) -> torch.Tensor:
+    """Unsigned nibbles [n, k] (uint8) of a tinygemm CPU weight packed with blocks of `block_n`
+    output channels. Each block is stored as [k, block_n / 2] bytes; in a full block byte j holds
+    channel j (low nibble) and channel j + block_n/2 (high) when `halves`, else channels 2j and
+    2j + 1; a partial last block always uses the 2j, 2j + 1 pairing."""
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    full = n // block_n
+    head = full * k * block_n // 2
+    if full:
+        b = flat[:head].view(full, k, block_n // 2)
+        lo, hi = b & 0x0F, b >> 4
+        rows = torch.cat([lo, hi], dim=2) if halves else torch.stack([lo, hi], dim=3).reshape(full, k, block_n)
+        out[: full * block_n] = rows.permute(0, 2, 1).reshape(full * block_n, k)
+    tail = n - full * block_n
+    if tail:
+        b = flat[head:].view(k, tail // 2)
+        out[full * block_n:] = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(k, tail).t()
+    return out
+
+
+_LAYOUT_CANDIDATES = {  # name: (block_n, halves) -- from torch's weight_to_int4pack_kernel
+    "avx512": (64, True),
+    "avx2": (32, True),
+    "scalar": (32, False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def int4pack_layout() -> str | None:
+    """Which packed layout this process's `_convert_weight_to_int4pack_for_cpu` writes, found by
+    packing a probe (full blocks and a partial one of every candidate) and unpacking it each
+    way; None when the ops are missing or no known layout matches (then int4 runs dequantized)."""
+    if not (_has_op("aten", "_convert_weight_to_int4pack_for_cpu") and _has_op("aten", "_weight_int4pack_mm_for_cpu")):
+        return None
+    n, k = 64 * 2 + 48, 6
+    probe = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    except (RuntimeError, NotImplementedError):
+        return None
+    if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+        return None
+    for name, (block_n, halves) in _LAYOUT_CANDIDATES.items():
+        if torch.equal(_unpack_int4pack(packed, n, k, block_n, halves).to(torch.int32), probe):
+            return name
+    return None
+
+
+def int4_op_group_size(group_size: int) -> int | None:
+    """The largest group size tinygemm accepts that divides `group_size` (scales are repeated
+    to it), or None."""
+    for g in INT4_GROUP_SIZES:
+        if group_size % g == 0:
+            return g
+    return None
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned nibbles [N, K] (any integer dtype, values 0..15) -> tinygemm's packed weight."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 1)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of pack_int4: the unsigned nibbles [n, k] (uint8)."""
+    layout = int4pack_layout()
+    if layout is None:
+        raise RuntimeError("torch's int4 CPU packing is not available or has an unknown layout")
+    block_n, halves = _LAYOUT_CANDIDATES[layout]
+    return _unpack_int4pack(packed, n, k, block_n, halves)
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """tinygemm's bfloat16 [groups, N, 2] from float scales and additive zeros [N, groups]."""
+    return torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4_matmul(x_bf16: torch.Tensor, packed: torch.Tensor, group_size: int,
+                scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 @ W.T with W = (u - 8) * s + z -> [M, N] bfloat16."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, group_size, scales_and_zeros)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 weight-only
+# ---------------------------------------------------------------------------------------------
+def int8pack_available() -> bool:
+    return _has_op("aten", "_weight_int8pack_mm")
+
+
+def int8_weight_matmul(x_bf16: torch.Tensor, w_int8: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 @ (w_int8 [N, K] * s[:, None]).T -> [M, N] bfloat16 (K % 16 == 0)."""
+    return torch.ops.aten._weight_int8pack_mm(x_bf16, w_int8, scales_bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# w8a8: dynamic int8 activations
+# ---------------------------------------------------------------------------------------------
+def onednn_int8_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and _has_op("onednn", "qlinear_prepack")
+            and _has_op("onednn", "qlinear_pointwise"))
+
+
+def onednn_prepack_int8(w_int8: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of an int8 weight [N, K] (an opaque mkldnn tensor; to_dense() gives
+    back the [K, N] transpose)."""
+    return torch.ops.onednn.qlinear_prepack(w_int8.contiguous(), None)
+
+
+def onednn_unpack_int8(prepacked: torch.Tensor) -> torch.Tensor:
+    """The int8 weight [N, K] a prepacked oneDNN weight holds."""
+    return prepacked.to_dense().t().contiguous()
+
+
+def onednn_prepacked_nbytes(n: int, k: int) -> int:
+    """Bytes of a prepacked int8 weight: the values plus oneDNN's int32 per-channel
+    compensation (the process RSS grows by about this much per prepacked 4096x4096 weight)."""
+    return n * k + 4 * n
+
+
+def int8_int8_matmul_onednn(q_act_u8: torch.Tensor, prepacked: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """float32(sum_k q[m, k] * w[n, k]) * w_scales[n] -> [M, N] float32, with the activations
+    given as q + 128 in uint8 (oneDNN's zero point 128 reads them back as q): exact int32
+    accumulation, one float32 rounding for the product with the scale."""
+    zero_points = torch.zeros(w_scales.shape[0], dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(q_act_u8, 1.0, 128, prepacked, w_scales, zero_points, None,
+                                              1.0, 0, torch.float32, "none", [], "")
+
+
+def int8_int8_matmul(q_act: torch.Tensor, w_int8: torch.Tensor) -> torch.Tensor:
+    """Exact int32 q_act [M, K] @ w_int8[N, K].T with torch._int_mm (no shape limits on CPU)."""
+    return torch._int_mm(q_act, w_int8.t())
+
+
+def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale, saturate: bool = True,
+                       offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 quantization of activations, with the arithmetic of
+    fewbits.quant.quantize(x, int8 absmax scheme): scale = amax / 127 (rounded to the scheme's
+    scale format by `round_scale`), q = round_half_even(x * (1 / scale)) saturated to int8, a
+    zero scale read as 1. Returns (q, scale float32 [M] or [1]); q is int8, or with `offset`
+    uint8 holding q + 128 (what oneDNN's uint8 GEMM takes).
+
+    saturate=False skips the clamp where it cannot change anything: with float32 scales of
+    normal magnitude |x * (1 / scale)| <= 127 (1 + 2^-22) rounds to at most 127. Scales rounded
+    to a narrower format may round down, and subnormal ones lose precision: those are clamped."""
+    x = x2d.to(torch.float32)
+    # max(amax, -amin) reads x twice and allocates nothing as big as x (abs() would; and
+    # vector_norm(inf) is ~20x slower in torch 2.x); all of them propagate NaN
+    if per_row:
+        amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
+    else:
+        amax = torch.maximum(x.amax(), x.amin().neg_()).reshape(1)
+    lo, hi = torch.aminmax(amax)  # one small reduction answers both checks below
+    lo, hi = float(lo), float(hi)
+    if not math.isfinite(hi):
+        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
+    scale = round_scale(amax / 127.0)
+    recip = 1.0 / (scale if lo > 0 else torch.where(scale == 0, torch.ones_like(scale), scale))
+    t = torch.mul(x, recip.unsqueeze(1)).round_()
+    if saturate or lo < 2.0 ** -100:
+        t.clamp_(-128, 127)
+    q = t.to(torch.int8)  # float -> int8 and a bit flip are ~3x faster than float -> uint8
+    if offset:
+        u = q.view(torch.uint8)
+        return torch.bitwise_xor(u, 0x80, out=u), scale
+    return q, scale
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding codes through lookup tables (the dequantize-on-the-fly path)
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _value_table(fmt) -> torch.Tensor:
+    """float32 value of every code of a format of up to 8 bits (exactly fb.decode's values; NaN
+    for the unused codes of a codebook with fewer than 2^bits entries)."""
+    n = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
+    table = torch.full((2 ** fmt.bits,), float("nan"))
+    table[:n] = decode(torch.arange(n), fmt, dtype=torch.float32)
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def byte_table(fmt) -> torch.Tensor:
+    """[256, 8 / bits] float32: the values of the codes packed low-first in each byte value, for
+    formats whose width divides 8 (one gather decodes a whole byte)."""
+    bits = fmt.bits
+    per = 8 // bits
+    b = torch.arange(256)
+    codes = torch.stack([(b >> (j * bits)) & (2 ** bits - 1) for j in range(per)], dim=1)
+    return _value_table(fmt)[codes].contiguous()
+
+
+_TORCH_16BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.Tensor:
+    """float32 values of `count` element codes starting at element `start` of a QuantizedTensor's
+    stored codes (packed low-first bytes for formats of up to 8 bits, int16 bit patterns for
+    16-bit ones). Equal to fb.decode of those codes."""
+    fmt = get_format(fmt)
+    bits = fmt.bits
+    if bits > 8:
+        c = codes[start:start + count]
+        native = _TORCH_16BIT.get(fmt.name) if isinstance(fmt, FloatFormat) else None
+        if native is not None and get_format(fmt.name) == fmt:
+            return c.view(native).to(torch.float32)
+        return decode(c.to(torch.int64) & 0xFFFF, fmt, dtype=torch.float32)
+    if 8 % bits == 0 and (start * bits) % 8 == 0:
+        per = 8 // bits
+        first = start * bits // 8
+        nbytes = -(-count // per)
+        idx = codes[first:first + nbytes].to(torch.int32)
+        table = byte_table(fmt)
+        vals = torch.index_select(table, 0, idx).reshape(-1) if per > 1 else torch.index_select(table.reshape(-1), 0, idx)
+        return vals[:count]
+    # widths that straddle bytes (3, 5, 6, 7): unpack from the last boundary where a byte and
+    # a code begin together (every lcm(bits, 8) bits)
+    per_group = math.lcm(bits, 8) // bits
+    group = start // per_group
+    skip = start - group * per_group
+    first = group * per_group * bits // 8
+    n = skip + count
+    c = unpack(codes[first:first + -(-n * bits // 8)], bits, n, order="low_first").to(torch.int32)
+    return torch.index_select(_value_table(fmt), 0, c[skip:])
+
+
+def pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack(codes.reshape(-1).to(torch.uint8), bits, order="low_first")

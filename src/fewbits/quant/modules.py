@@ -1,0 +1,630 @@
+"""Quantized inference modules: QuantLinear and QuantEmbedding.
+
+A QuantLinear holds its weight as a QuantizedTensor (`.qweight`, packed codes for real) and runs
+the fastest path torch offers on this CPU for the scheme, chosen once at construction
+(`.kernel`):
+
+=============  ==================================================================================
+kernel         schemes and arithmetic (see fewbits.quant.lowbit_ops for each kernel's contract)
+=============  ==================================================================================
+int4pack       int4 sym / uint4 asym, groups of a multiple of 32 (or per channel / tensor):
+               torch's packed int4 matmul; bfloat16 activations, bfloat16 (scale, zero) pairs.
+int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: torch's int8
+               weight matmul; bfloat16 activations and scales.
+w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
+w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale.
+bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
+dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the codes are decoded
+               and scaled in float32 (exactly QuantizedTensor.dequantize()) a block of output
+               rows at a time, each block multiplied at once, so no whole float weight exists.
+=============  ==================================================================================
+
+Every kernel is checked in tests against the slow reference `reference_forward(x)` =
+`F.linear(x, qweight.dequantize(x.dtype), bias)` (for w8a8, with the activations quantized and
+dequantized by fewbits.quant.quantize). Where a kernel keeps the codes in its own layout
+(int4pack, w8a8_onednn), `.qweight` holds no second copy: its `codes` are derived from that
+layout when read, bit-identical to the codes quantize() produced. `.nbytes` counts every byte
+the module holds for its weight, kernel-side extras included (e.g. the bfloat16 scale pairs).
+
+The modules are for inference: their weights are not parameters. With gradients wanted for
+the input (x.requires_grad under grad mode) a QuantLinear runs the reference path, which is
+differentiable in x.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats import IntFormat, get_format
+from . import lowbit_ops as ops
+from . import scales as sc
+from .scheme import QuantScheme, get_scheme
+from .tensor import STATE_KEYS, QuantizedTensor, quantize
+
+KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant")
+_ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# a QuantizedTensor as a kernel holds it
+# ---------------------------------------------------------------------------------------------
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class KernelQuantizedTensor(QuantizedTensor):
+    """A QuantizedTensor held the way a fast kernel wants it.
+
+    It has the scheme, shape, scales and zero points of the tensor it was built from, plus the
+    kernel's own tensors (`kernel_tensors`). When the kernel's layout already holds the element
+    codes (`codes_from_kernel` given), no second copy is kept: reading `.codes` derives them
+    (bit-identical to the original), which costs a pass over the weight. `nbytes` is every byte
+    held: the scheme's tensors except derived codes, plus kernel tensors that are not views of
+    them (`kernel_nbytes` overrides the size of tensors whose bytes torch cannot see, such as
+    oneDNN's opaque prepacked weights).
+    """
+
+    def __init__(self, qt: QuantizedTensor, kernel_tensors: dict[str, torch.Tensor],
+                 codes_from_kernel: Callable[[dict], torch.Tensor] | None = None,
+                 kernel_nbytes: dict[str, int] | None = None):
+        # the source tensor was validated when it was built; nothing here changes its meaning
+        self.scheme, self.shape, self.dtype = qt.scheme, qt.shape, qt.dtype
+        for key in STATE_KEYS:
+            if key != "codes":
+                setattr(self, key, getattr(qt, key))
+        self._stored_codes = None if codes_from_kernel is not None else qt.codes
+        self._codes_from_kernel = codes_from_kernel
+        self.kernel_tensors = dict(kernel_tensors)
+        self._kernel_nbytes = dict(kernel_nbytes or {})
+
+    @property
+    def codes(self) -> torch.Tensor:
+        if self._stored_codes is not None:
+            return self._stored_codes
+        return self._codes_from_kernel(self.kernel_tensors)
+
+    @property
+    def codes_derived(self) -> bool:
+        """True when the codes live only in the kernel's layout."""
+        return self._stored_codes is None
+
+    def _held(self) -> list[torch.Tensor]:
+        held = [getattr(self, k) for k in STATE_KEYS if k != "codes" and getattr(self, k) is not None]
+        if self._stored_codes is not None:
+            held.append(self._stored_codes)
+        return held
+
+    @property
+    def nbytes(self) -> int:
+        held = self._held()
+        total = sum(t.nbytes for t in held)
+        for name, t in self.kernel_tensors.items():
+            if name in self._kernel_nbytes:
+                total += self._kernel_nbytes[name]
+            elif not any(_same_storage(t, h) for h in held):
+                total += t.nbytes
+        return total
+
+    def plain(self) -> QuantizedTensor:
+        """A plain QuantizedTensor with the same state (codes materialized)."""
+        return QuantizedTensor.from_state_dict(self.scheme, self.shape, self.dtype, self.state_dict())
+
+    def __reduce__(self):
+        # copies and pickles are plain QuantizedTensors: kernel layouts (oneDNN's opaque
+        # tensors among them) belong to this process and are rebuilt by the module
+        return QuantizedTensor.from_state_dict, (self.scheme, self.shape, self.dtype, self.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding rows of a weight (the dequantize-on-the-fly path and embedding lookups)
+# ---------------------------------------------------------------------------------------------
+class _RowDecoder:
+    """Decodes output rows r of a 2-d QuantizedTensor [R, C] whose codes lie row by row
+    (granularity tensor, channel on axis 0, group, mx, nvfp4), with the arithmetic of
+    QuantizedTensor.dequantize(): float32 decode, minus zero point, times scale."""
+
+    def __init__(self, qt: QuantizedTensor):
+        s = qt.scheme
+        rows, cols = qt.shape
+        _, _, pcols, groups = s.layout(qt.shape)
+        self.qt, self.fmt, self.rows, self.cols = qt, s.format, rows, cols
+        if s.granularity in ("tensor", "channel"):
+            self.row_len, self.groups = cols, 1
+        else:
+            self.row_len, self.groups = pcols, groups
+        self.group_len = self.row_len // self.groups if self.groups else 0
+        bits = self.fmt.bits
+        self.row_bytes = (self.row_len * bits // 8) if bits <= 8 and (self.row_len * bits) % 8 == 0 else None
+
+    @staticmethod
+    def supports(qt: QuantizedTensor) -> bool:
+        s = qt.scheme
+        if len(qt.shape) != 2:
+            return False
+        return s.granularity != "channel" or s._axis(2) == 0
+
+    def params(self):
+        """(scales [rows or 1, groups] float32 or None, zero points [rows, groups] float32 or None),
+        computed once per call (they are small next to the codes)."""
+        scales = self.qt.scale_values()
+        zps = self.qt.zero_point_values()
+        return scales, (zps.to(torch.float32) if zps is not None else None)
+
+    def _finish(self, v: torch.Tensor, scales, zps, rows_index) -> torch.Tensor:
+        n = v.numel() // self.row_len if self.row_len else 0
+        v = v.view(n, self.groups, self.group_len)
+        if zps is not None:  # per-tensor parameters have one row, shared by all
+            v.sub_((zps if zps.shape[0] == 1 else zps[rows_index]).unsqueeze(-1))
+        if scales is not None:
+            v.mul_((scales if scales.shape[0] == 1 else scales[rows_index]).unsqueeze(-1))
+        return v.view(n, self.row_len)[:, : self.cols]
+
+    def block(self, r0: int, r1: int, scales, zps) -> torch.Tensor:
+        """float32 rows r0..r1 [r1 - r0, cols] (a view into a fresh buffer)."""
+        v = ops.decode_codes(self.qt.codes, self.fmt, (r1 - r0) * self.row_len, r0 * self.row_len)
+        return self._finish(v, scales, zps, slice(r0, r1))
+
+    def gather(self, index: torch.Tensor, scales, zps) -> torch.Tensor:
+        """float32 rows at `index` (int64 [n]) -> [n, cols]."""
+        if self.fmt.bits > 8:
+            c = self.qt.codes.view(self.rows, self.row_len)[index].reshape(-1)
+            v = ops.decode_codes(c, self.fmt, c.numel())
+        elif self.row_bytes is not None:
+            c = self.qt.codes.view(self.rows, self.row_bytes)[index].reshape(-1)
+            v = ops.decode_codes(c, self.fmt, index.numel() * self.row_len)
+        else:  # rows do not start on whole bytes: decode each distinct row once
+            uniq, inverse = torch.unique(index, return_inverse=True)
+            decoded = [ops.decode_codes(self.qt.codes, self.fmt, self.row_len, int(r) * self.row_len) for r in uniq]
+            table = torch.stack(decoded) if decoded else torch.empty(0, self.row_len)
+            v = table[inverse].reshape(-1)
+        return self._finish(v, scales, zps, index)
+
+
+def _rows_per_block(row_len: int, bits: int) -> int:
+    """Rows per decoded block: about _ROW_BLOCK_VALUES values, starting on whole bytes."""
+    rows = max(1, _ROW_BLOCK_VALUES // max(row_len, 1))
+    if bits <= 8:
+        step = 8 // math.gcd(row_len * bits, 8)
+        rows = max(step, rows // step * step)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# scheme checks: which kernel can run a scheme exactly
+# ---------------------------------------------------------------------------------------------
+def _is_int(fmt, bits: int, signed: bool) -> bool:
+    return isinstance(fmt, IntFormat) and fmt.bits == bits and fmt.signed == signed
+
+
+def _per_row_or_tensor(s: QuantScheme) -> bool:
+    return s.granularity == "tensor" or (s.granularity == "channel" and s._axis(2) == 0)
+
+
+def _int4_op_group(s: QuantScheme, in_features: int) -> tuple[int, int] | None:
+    """(tinygemm group size, padded K) for an int4 scheme, or None when it cannot run there."""
+    fmt = s.format
+    if not (s.symmetric and _is_int(fmt, 4, True)) and not (not s.symmetric and _is_int(fmt, 4, False)):
+        return None
+    if s.granularity == "group":
+        g = ops.int4_op_group_size(s.group_size)
+        return (g, s.layout((1, in_features))[2]) if g else None
+    if _per_row_or_tensor(s):
+        k_op = -(-in_features // ops.INT4_GROUP_SIZES[-1]) * ops.INT4_GROUP_SIZES[-1]
+        return ops.int4_op_group_size(k_op), k_op
+    return None
+
+
+def _w8a8_activations_fast(a: QuantScheme) -> bool:
+    """Dynamic activation schemes the fused path computes with quantize()'s exact arithmetic."""
+    return (_is_int(a.format, 8, True) and a.symmetric and a.scale_method == "absmax"
+            and a.mode == "nearest_even" and a.scale_format in ("fp32", "fp16", "bf16")
+            and not a.double_quant and a.activations is None
+            and (a.granularity == "tensor" or (a.granularity == "channel" and a.axis in (0, -2))))
+
+
+def _int8_weight(s: QuantScheme) -> bool:
+    return _is_int(s.format, 8, True) and s.symmetric and _per_row_or_tensor(s)
+
+
+def _is_bf16_cast(s: QuantScheme) -> bool:
+    return s.scale_format == "none" and s.format == get_format("bf16")
+
+
+def available_kernels(scheme, shape) -> list[str]:
+    """The kernels that can run a weight of `shape` [out, in] in `scheme` here, fastest first
+    (the first one is what kernel="auto" picks)."""
+    s = get_scheme(scheme)
+    n, k = (int(d) for d in shape)
+    out = []
+    if s.activations is not None:
+        if _int8_weight(s) and _w8a8_activations_fast(s.activations):
+            if ops.onednn_int8_available():
+                out.append("w8a8_onednn")
+            out.append("w8a8_int_mm")
+        out.append("dequant")
+        return out
+    if _int4_op_group(s, k) is not None and n % ops.INT4_N_MULTIPLE == 0 and ops.int4pack_layout() is not None:
+        out.append("int4pack")
+    if _int8_weight(s) and k % ops.INT8PACK_K_MULTIPLE == 0 and ops.int8pack_available():
+        out.append("int8pack")
+    if _is_bf16_cast(s):
+        out.append("bf16")
+    out.append("dequant")
+    return out
+
+
+def _codes_from_int4pack(n: int, k_op: int, code_cols: int, symmetric: bool, kernel_tensors: dict) -> torch.Tensor:
+    """The QuantizedTensor codes (low-first packed nibbles over [n, code_cols]) that tinygemm's
+    packed weight [n, k_op] holds; a signed code c was stored as u = c ^ 8."""
+    u = ops.unpack_int4(kernel_tensors["weight"], n, k_op)[:, :code_cols]
+    return ops.pack_low_first(u ^ 8 if symmetric else u, 4)
+
+
+def _codes_from_onednn(kernel_tensors: dict) -> torch.Tensor:
+    return ops.onednn_unpack_int8(kernel_tensors["weight"]).view(torch.uint8).reshape(-1)
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y (a fresh kernel result) in `dtype` plus the bias, in one pass where the types allow."""
+    if bias is None:
+        return y.to(dtype)
+    if y.dtype == dtype:
+        return y.add_(bias)
+    if torch.promote_types(y.dtype, bias.dtype) == dtype:
+        return torch.add(y, bias)
+    return y.to(dtype).add_(bias)
+
+
+def _rescaled(y: torch.Tensor, act_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """float32 y * act_scales (+ bias) in `dtype` (one pass when there is a float32 bias)."""
+    if bias is not None and bias.dtype == torch.float32:  # in place: no second output buffer
+        return torch.addcmul(bias, y, act_scales, out=y).to(dtype)
+    return _with_bias(y.mul_(act_scales), bias, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantLinear
+# ---------------------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """nn.Linear with a quantized weight (see the module docstring for the kernels).
+
+    QuantLinear.from_linear(linear, scheme) quantizes a float layer; QuantLinear(qweight, bias)
+    or .from_quantized(qweight, bias) wraps an existing QuantizedTensor [out, in]. The bias
+    stays in float. kernel="auto" picks the fastest exact-enough path; naming one forces it
+    (ValueError if it cannot run this scheme and shape).
+    """
+
+    def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None, kernel: str = "auto"):
+        super().__init__()
+        if not isinstance(qweight, QuantizedTensor):
+            raise TypeError(f"qweight must be a QuantizedTensor, got {type(qweight).__name__}")
+        if len(qweight.shape) != 2:
+            raise ValueError(f"a linear weight is 2-d [out_features, in_features], got shape {tuple(qweight.shape)}")
+        if isinstance(qweight, KernelQuantizedTensor):
+            qweight = qweight.plain()
+        self.out_features, self.in_features = (int(d) for d in qweight.shape)
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise TypeError("bias must be a float tensor or None")
+            if tuple(bias.shape) != (self.out_features,):
+                raise ValueError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+            bias = nn.Parameter(bias.detach(), requires_grad=False)
+        self.bias = bias
+        s = qweight.scheme
+        possible = available_kernels(s, qweight.shape)
+        if kernel == "auto":
+            kernel = possible[0]
+        elif kernel not in KERNELS:
+            raise ValueError(f"kernel must be 'auto' or one of {', '.join(KERNELS)}, got {kernel!r}")
+        elif kernel not in possible:
+            raise ValueError(f"kernel {kernel!r} cannot run {s.label} with shape {tuple(qweight.shape)} here; "
+                             f"possible: {', '.join(possible)}")
+        self._install(qweight, kernel)
+
+    def _install(self, qweight: QuantizedTensor, kernel: str) -> None:
+        self.kernel = kernel
+        self._decoder = None
+        self._qweight = getattr(self, f"_build_{kernel}")(qweight)
+
+    def __getstate__(self):
+        # a copy or pickle holds the plain QuantizedTensor; the kernel layout is rebuilt
+        state = dict(super().__getstate__())
+        qweight = state.pop("_qweight")
+        state["_qweight"] = qweight.plain() if isinstance(qweight, KernelQuantizedTensor) else qweight
+        state.pop("_decoder", None)
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        qweight = state.pop("_qweight")
+        super().__setstate__(state)
+        possible = available_kernels(qweight.scheme, qweight.shape)
+        self._install(qweight, self.kernel if self.kernel in possible else possible[0])
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme, kernel: str = "auto") -> QuantLinear:
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear() takes an nn.Linear, got {type(linear).__name__}")
+        with torch.no_grad():
+            qweight = quantize(linear.weight.detach(), get_scheme(scheme))
+        return cls(qweight, linear.bias, kernel=kernel)
+
+    @classmethod
+    def from_quantized(cls, qweight: QuantizedTensor, bias: torch.Tensor | None = None,
+                       kernel: str = "auto") -> QuantLinear:
+        return cls(qweight, bias, kernel=kernel)
+
+    def _build_dequant(self, qt: QuantizedTensor) -> QuantizedTensor:
+        if _RowDecoder.supports(qt):
+            self._decoder = _RowDecoder(qt)
+        return qt
+
+    def _build_bf16(self, qt: QuantizedTensor) -> QuantizedTensor:
+        w = qt.codes.view(torch.bfloat16).view(self.out_features, self.in_features)
+        return KernelQuantizedTensor(qt, {"weight": w})
+
+    def _weight_scales(self, qt: QuantizedTensor) -> torch.Tensor:
+        """float32 per-output-channel scales [N] of a per-channel or per-tensor weight."""
+        return qt.scale_values().reshape(-1).expand(self.out_features).contiguous()
+
+    def _build_int8pack(self, qt: QuantizedTensor) -> QuantizedTensor:
+        w = qt.codes.view(torch.int8).view(self.out_features, self.in_features)
+        s = self._weight_scales(qt).to(torch.bfloat16)
+        return KernelQuantizedTensor(qt, {"weight": w, "scales_bf16": s})
+
+    def _build_w8a8_int_mm(self, qt: QuantizedTensor) -> QuantizedTensor:
+        w = qt.codes.view(torch.int8).view(self.out_features, self.in_features)
+        return KernelQuantizedTensor(qt, {"weight": w, "weight_scales": self._weight_scales(qt)})
+
+    def _build_w8a8_onednn(self, qt: QuantizedTensor) -> QuantizedTensor:
+        n, k = self.out_features, self.in_features
+        prepacked = ops.onednn_prepack_int8(qt.codes.view(torch.int8).view(n, k))
+        return KernelQuantizedTensor(qt, {"weight": prepacked, "weight_scales": self._weight_scales(qt)},
+                                     codes_from_kernel=_codes_from_onednn,
+                                     kernel_nbytes={"weight": ops.onednn_prepacked_nbytes(n, k)})
+
+    def _build_int4pack(self, qt: QuantizedTensor) -> QuantizedTensor:
+        s = qt.scheme
+        n, k = self.out_features, self.in_features
+        group, k_op = _int4_op_group(s, k)
+        _, _, pcols, groups = s.layout(qt.shape)
+        symmetric = s.symmetric
+        # tinygemm reads nibble u as u - 8: a signed int4 code (two's complement) maps to u = c ^ 8
+        c = qt.element_codes().reshape(n, -1)  # [n, pcols] (per-tensor: the same row-major order)
+        u = c ^ 8 if symmetric else c
+        if k_op > u.shape[1]:
+            u = F.pad(u, (0, k_op - u.shape[1]), value=8)
+        packed = ops.pack_int4(u)
+        del u, c
+        sv = qt.scale_values()
+        sv = sv.expand(n, sv.shape[1]) if sv.shape[0] == 1 else sv
+        zeros = torch.zeros_like(sv) if symmetric else (8.0 - qt.zero_point_values().to(torch.float32)) * sv
+        per_group = (s.group_size if s.granularity == "group" else k_op) // group
+        sz = ops.int4_scales_and_zeros(sv.repeat_interleave(per_group, dim=1)[:, : k_op // group],
+                                       zeros.repeat_interleave(per_group, dim=1)[:, : k_op // group])
+        self._int4_group, self._int4_k = group, k_op
+        code_cols = pcols if s.granularity == "group" else k
+        return KernelQuantizedTensor(qt, {"weight": packed, "scales_and_zeros": sz},
+                                     codes_from_kernel=functools.partial(_codes_from_int4pack, n, k_op, code_cols,
+                                                                         symmetric))
+
+    # --- views --------------------------------------------------------------------------------
+    @property
+    def qweight(self) -> QuantizedTensor:
+        return self._qweight
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return self._qweight.scheme
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._qweight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the weight (codes, scales, zero points, kernel-side tensors); the
+        float bias is not included."""
+        return self._qweight.nbytes
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scheme={self.scheme.label!r}, kernel={self.kernel!r}, nbytes={self.nbytes}")
+
+    # --- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"QuantLinear takes a float tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"input's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if x.requires_grad and torch.is_grad_enabled():
+            return self.reference_forward(x)
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            y = _with_bias(x2d.new_zeros(0, self.out_features), self.bias, x.dtype)
+        else:
+            y = getattr(self, f"_forward_{self.kernel}")(x2d, self.bias, x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The slow, obviously-correct result: F.linear with the dequantized weight (and, for
+        w8a8, the activations quantized and dequantized by quantize())."""
+        act = self.scheme.activations
+        if act is not None:
+            x = quantize(x.reshape(-1, self.in_features), act).dequantize(x.dtype).reshape(x.shape)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self._qweight.dequantize(x.dtype), bias)
+
+    # Each kernel returns the finished output: in `dtype`, bias added. The steps around the
+    # kernel call are few and, for small inputs, single-threaded (see ops.one_thread_if_small).
+    def _forward_bf16(self, x2d, bias, dtype):
+        with ops.one_thread_if_small(x2d.numel()):
+            xb = x2d.to(torch.bfloat16)
+        y = F.linear(xb, self._qweight.kernel_tensors["weight"])
+        with ops.one_thread_if_small(y.numel()):
+            return _with_bias(y, bias, dtype)
+
+    def _forward_int8pack(self, x2d, bias, dtype):
+        kt = self._qweight.kernel_tensors
+        with ops.one_thread_if_small(x2d.numel()):
+            xb = x2d.to(torch.bfloat16).contiguous()
+        y = ops.int8_weight_matmul(xb, kt["weight"], kt["scales_bf16"])
+        with ops.one_thread_if_small(y.numel()):
+            return _with_bias(y, bias, dtype)
+
+    def _forward_int4pack(self, x2d, bias, dtype):
+        kt = self._qweight.kernel_tensors
+        with ops.one_thread_if_small(x2d.numel()):
+            xb = x2d.to(torch.bfloat16)
+            if self._int4_k != self.in_features:
+                xb = F.pad(xb, (0, self._int4_k - self.in_features))
+            xb = xb.contiguous()
+        y = ops.int4_matmul(xb, kt["weight"], self._int4_group, kt["scales_and_zeros"])
+        with ops.one_thread_if_small(y.numel()):
+            return _with_bias(y, bias, dtype)
+
+    def _activations(self, x2d, offset: bool):
+        a = self.scheme.activations
+        with ops.one_thread_if_small(x2d.numel()):
+            return ops.quantize_rows_int8(x2d, a.granularity == "channel",
+                                          lambda v: sc.round_scales(v, a.scale_format),
+                                          saturate=a.scale_format != "fp32", offset=offset)
+
+    def _forward_w8a8_onednn(self, x2d, bias, dtype):
+        q_u8, sx = self._activations(x2d, offset=True)
+        kt = self._qweight.kernel_tensors
+        y = ops.int8_int8_matmul_onednn(q_u8, kt["weight"], kt["weight_scales"])  # acc * s_w
+        with ops.one_thread_if_small(y.numel()):
+            return _rescaled(y, sx.unsqueeze(1), bias, dtype)
+
+    def _forward_w8a8_int_mm(self, x2d, bias, dtype):
+        q, sx = self._activations(x2d, offset=False)
+        kt = self._qweight.kernel_tensors
+        acc = ops.int8_int8_matmul(q, kt["weight"])
+        with ops.one_thread_if_small(acc.numel()):
+            return _rescaled(acc.to(torch.float32).mul_(kt["weight_scales"]), sx.unsqueeze(1), bias, dtype)
+
+    def _forward_dequant(self, x2d, bias, dtype):
+        if self.scheme.activations is not None:
+            x2d = quantize(x2d, self.scheme.activations).dequantize(x2d.dtype)
+        dec = self._decoder
+        if dec is None:
+            return _with_bias(F.linear(x2d, self._qweight.dequantize(x2d.dtype)), bias, dtype)
+        scales, zps = dec.params()
+        n = self.out_features
+        step = _rows_per_block(dec.row_len, dec.fmt.bits)
+        if step >= n:
+            return _with_bias(F.linear(x2d, dec.block(0, n, scales, zps).to(x2d.dtype)), bias, dtype)
+        x_t = x2d.t()
+        y_t = torch.empty(n, x2d.shape[0], dtype=x2d.dtype)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            with ops.one_thread_if_small(0):  # a block is small: decoding it gains little from threads
+                w = dec.block(r0, r1, scales, zps).to(x2d.dtype)
+            torch.mm(w, x_t, out=y_t[r0:r1])
+        with ops.one_thread_if_small(y_t.numel()):
+            return _with_bias(y_t.t(), bias, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantEmbedding
+# ---------------------------------------------------------------------------------------------
+class QuantEmbedding(nn.Module):
+    """nn.Embedding with a quantized table: a lookup decodes only the rows it reads.
+
+    QuantEmbedding.from_embedding(embedding, scheme) quantizes a float table;
+    .from_quantized(qweight, embedding=None) wraps a QuantizedTensor [num_embeddings, dim]
+    (padding_idx is taken from `embedding`). Rows come out in the table's original dtype,
+    equal to F.embedding(ids, qweight.dequantize()).
+    """
+
+    def __init__(self, qweight: QuantizedTensor, padding_idx: int | None = None):
+        super().__init__()
+        if not isinstance(qweight, QuantizedTensor):
+            raise TypeError(f"qweight must be a QuantizedTensor, got {type(qweight).__name__}")
+        if len(qweight.shape) != 2:
+            raise ValueError(f"an embedding table is 2-d [num_embeddings, embedding_dim], got {tuple(qweight.shape)}")
+        if isinstance(qweight, KernelQuantizedTensor):
+            qweight = qweight.plain()
+        self.num_embeddings, self.embedding_dim = (int(d) for d in qweight.shape)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} is out of range for {self.num_embeddings} embeddings")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        self._qweight = qweight
+        self._decoder = _RowDecoder(qweight) if _RowDecoder.supports(qweight) else None
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, scheme) -> QuantEmbedding:
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"from_embedding() takes an nn.Embedding, got {type(embedding).__name__}")
+        with torch.no_grad():
+            qweight = quantize(embedding.weight.detach(), get_scheme(scheme))
+        return cls.from_quantized(qweight, embedding)
+
+    @classmethod
+    def from_quantized(cls, qweight: QuantizedTensor, embedding: nn.Embedding | None = None) -> QuantEmbedding:
+        padding_idx = None
+        if embedding is not None:
+            if getattr(embedding, "max_norm", None) is not None:
+                raise ValueError("an embedding with max_norm renormalizes its rows in place; a quantized table cannot")
+            padding_idx = embedding.padding_idx
+        return cls(qweight, padding_idx)
+
+    @property
+    def qweight(self) -> QuantizedTensor:
+        return self._qweight
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return self._qweight.scheme
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._qweight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._qweight.nbytes
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, scheme={self.scheme.label!r}, nbytes={self.nbytes}"
+
+    def _check(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16,
+                                                                     torch.int8, torch.uint8):
+            raise TypeError(f"QuantEmbedding takes an integer tensor of indices, got "
+                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"index out of range: indices must lie in 0..{self.num_embeddings - 1}, "
+                             f"got {int(flat.min())}..{int(flat.max())}")
+        return flat
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self._check(ids)
+        if self._decoder is None:
+            rows = self._qweight.dequantize(torch.float32)[flat]
+        else:
+            scales, zps = self._decoder.params()
+            rows = self._decoder.gather(flat, scales, zps)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def reference_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slow, obviously-correct result: F.embedding on the whole dequantized table."""
+        self._check(ids)
+        return F.embedding(ids.to(torch.int64), self._qweight.dequantize())
+
+
+__all__ = ["QuantLinear", "QuantEmbedding", "KernelQuantizedTensor", "available_kernels", "KERNELS"]

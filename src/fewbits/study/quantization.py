@@ -1,0 +1,267 @@
+"""Quantization measured on real models: quality against bits per parameter, size and speed.
+
+A Subject is a real model with its own quality measure:
+- MiniLM (all-MiniLM-L6-v2, genuine fp32 weights): mean cosine similarity of sentence
+  embeddings to the fp32 model's, on real sentences from Python's pydoc topics (and Spearman
+  agreement of their pairwise similarities);
+- SmolLM2-135M (from a Q4_1 GGUF, dequantized to fp32): perplexity on the pydoc eval text.
+  Its weights already sit on an asymmetric 4-bit grid with groups of 32 (fp16 scale and fp16
+  minimum per group), which that grid reproduces exactly: no evidence of 4-bit quality. (fewbits'
+  int4_asym_g32 has an integer zero point, another grid, and does not reproduce them);
+- any Hugging Face model directory: a causal LM by perplexity, anything else by embeddings.
+
+compare() quantizes a fresh copy of the model per scheme and returns one row per scheme with
+at least scheme, bits_per_param, model_bytes, quality, quality_metric and throughput.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..quant import get_scheme
+from ..quant.model import model_nbytes, quantize_model, resolve_plan
+
+Q4_1_NOTE = ("SmolLM2's packaged weights are GGUF Q4_1 (asymmetric 4-bit, groups of 32, per group an fp16 "
+             "scale and an fp16 minimum; the tied embedding Q8_0): a scheme with that grid reproduces them "
+             "exactly, so 4-bit results on this model are not evidence of 4-bit quality (MiniLM's genuine "
+             "fp32 weights are). fewbits' int4_asym_g32 uses an integer zero point and a range that holds "
+             "0, a different grid: it does not reproduce them.")
+
+
+@dataclasses.dataclass
+class Subject:
+    """A real model under test. evaluate(model) -> {'quality': float, 'throughput': float, ...}."""
+
+    name: str
+    model: nn.Module
+    quality_metric: str                     # "cosine" (higher is better) or "perplexity" (lower)
+    evaluate: Callable[[nn.Module], dict]
+    calibration: list                       # model inputs (dicts of kwargs) for GPTQ/sensitivity
+    throughput_unit: str                    # "sentences/s" or "tokens/s"
+    skip: tuple[str, ...] = ()
+    note: str | None = None
+    loss_fn: Callable | None = None         # loss_fn(output, batch) for sensitivity, if any
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.quality_metric == "cosine"
+
+
+# ---------------------------------------------------------------------------------------------
+# subjects
+# ---------------------------------------------------------------------------------------------
+def _embedding_subject(name, model, tokenizer, n_eval: int, n_calib: int, note=None) -> Subject:
+    from ..models.minilm import embed, embedding_quality
+    from ..models.text import pydoc_sentences
+
+    sentences = pydoc_sentences(n_eval + n_calib, seed=0)
+    eval_s, calib_s = sentences[:n_eval], sentences[n_eval:]
+    reference = embed(model, tokenizer, eval_s)
+    calibration = []
+    for i in range(0, len(calib_s), 16):
+        enc = tokenizer(calib_s[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        calibration.append(dict(enc))
+
+    def evaluate(m):
+        t0 = time.perf_counter()
+        emb = embed(m, tokenizer, eval_s)
+        dt = time.perf_counter() - t0
+        q = embedding_quality(reference, emb)
+        return {"quality": q.mean_cosine, "min_cosine": q.min_cosine, "spearman": q.spearman,
+                "top1_agreement": q.top1_agreement, "throughput": len(eval_s) / dt, "eval_seconds": dt}
+
+    return Subject(name, model, "cosine", evaluate, calibration, "sentences/s", note=note)
+
+
+def minilm_subject(n_eval: int = 256, n_calib: int = 64) -> Subject:
+    from ..models.minilm import load_minilm
+
+    model, tokenizer = load_minilm()
+    return _embedding_subject("all-MiniLM-L6-v2", model, tokenizer, n_eval, n_calib)
+
+
+def _lm_subject(name, model, tokenizer, eval_tokens: int, calib_batches: int, seq_len: int, note=None,
+                skip=("lm_head",)) -> Subject:
+    from ..models.smollm2 import perplexity
+    from ..models.text import pydoc_split
+
+    split = pydoc_split()
+    ids = tokenizer(split.train[:200_000], return_tensors="pt")["input_ids"][0]
+    calibration = [{"input_ids": ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0), "use_cache": False}
+                   for i in range(calib_batches)
+                   if (i + 1) * seq_len <= ids.numel()]
+
+    def evaluate(m):
+        t0 = time.perf_counter()
+        r = perplexity(m, tokenizer, split.eval, seq_len=seq_len, max_tokens=eval_tokens)
+        dt = time.perf_counter() - t0
+        ppl = r if isinstance(r, float) else float(getattr(r, "perplexity", r))
+        n_tok = getattr(r, "tokens", eval_tokens)
+        return {"quality": ppl, "throughput": n_tok / dt, "eval_seconds": dt}
+
+    def loss_fn(output, batch):
+        logits = output.logits if hasattr(output, "logits") else output
+        x = batch["input_ids"]
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+
+    return Subject(name, model, "perplexity", evaluate, calibration, "tokens/s", skip=tuple(skip), note=note,
+                   loss_fn=loss_fn)
+
+
+def smollm2_subject(eval_tokens: int = 4096, calib_batches: int = 8, seq_len: int = 256) -> Subject:
+    from ..models.smollm2 import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    return _lm_subject("SmolLM2-135M (from Q4_1 GGUF)", model, tokenizer, eval_tokens, calib_batches, seq_len,
+                       note=Q4_1_NOTE)
+
+
+def path_subject(path: str | Path, eval_tokens: int = 4096) -> Subject:
+    """A Hugging Face model directory (config.json + weights): causal LMs by perplexity,
+    other models by embedding similarity."""
+    path = Path(path)
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        arch = " ".join(json.loads(cfg.read_text()).get("architectures") or [])
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg}: unreadable config ({e})") from None
+    try:
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ImportError("loading a Hugging Face model needs transformers: pip install transformers") from None
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if "CausalLM" in arch:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+        return _lm_subject(path.name, model, tokenizer, eval_tokens, 8, 256)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    return _embedding_subject(path.name, model, tokenizer, 256, 64)
+
+
+def get_subject(spec: str, quick: bool = False) -> Subject:
+    if spec == "minilm":
+        return minilm_subject(n_eval=96 if quick else 256, n_calib=32 if quick else 64)
+    if spec == "smollm2":
+        return smollm2_subject(eval_tokens=1024 if quick else 4096, calib_batches=4 if quick else 8)
+    if Path(spec).exists():
+        return path_subject(spec)
+    raise ValueError(f"unknown model {spec!r}: use minilm, smollm2 or a path to a Hugging Face model directory")
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring schemes
+# ---------------------------------------------------------------------------------------------
+def measure(subject: Subject, model: nn.Module, label: str, scheme_name: str | None,
+            bits_per_param_of_layers: float | None = None) -> dict:
+    sizes = model_nbytes(model)
+    ev = subject.evaluate(model)
+    row = {"scheme": label, "scheme_name": scheme_name, "bits_per_param": sizes["bits_per_param"],
+           "model_bytes": sizes["total"], "quantized_bytes": sizes["quantized"],
+           "quality_metric": subject.quality_metric, "throughput_unit": subject.throughput_unit}
+    if bits_per_param_of_layers is not None:
+        row["layer_bits_per_param"] = bits_per_param_of_layers
+    row.update(ev)
+    return row
+
+
+def layer_bits(model: nn.Module, plan: dict) -> float:
+    """Bits per parameter over the quantized layers only (codes + scales)."""
+    n = b = 0
+    for name, scheme in plan.items():
+        w = model.get_submodule(name).weight
+        n += w.numel()
+        b += scheme.nbytes(w.shape) * 8
+    return b / n if n else float("nan")
+
+
+def compare(subject: Subject, schemes: Sequence[str], method: str = "rtn",
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """fp32 first, then one row per scheme; every model is a fresh copy of the fp32 one."""
+    say = progress or (lambda msg: None)
+    say(f"{subject.name}: fp32 baseline")
+    rows = [measure(subject, subject.model, "fp32", None)]
+    for name in schemes:
+        scheme = get_scheme(name)
+        say(f"{subject.name}: {scheme.label} ({method})")
+        model = copy.deepcopy(subject.model)
+        plan = resolve_plan(model, scheme, skip=subject.skip)
+        lb = layer_bits(model, plan)
+        t0 = time.perf_counter()
+        quantize_model(model, scheme, skip=subject.skip, method=method,
+                       calibration=subject.calibration if method == "gptq" else None)
+        row = measure(subject, model, scheme.label, name, lb)
+        row["method"] = method
+        row["quantize_seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        del model
+    return rows
+
+
+def plot_quality_vs_bits(rows: list[dict], subject: Subject, path: str | Path) -> Path:
+    """Quality against bits per parameter of the quantized layers, one point per scheme."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    base = rows[0]
+    for r in rows[1:]:
+        x = r.get("layer_bits_per_param", r["bits_per_param"])
+        ax.scatter(x, r["quality"], s=36, zorder=3)
+        ax.annotate(r.get("scheme_name") or r["scheme"], (x, r["quality"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    ax.axhline(base["quality"], color="k", lw=1, ls="--", label=f"fp32 ({base['quality']:.4g})")
+    ax.set_xlabel("bits per parameter of the quantized layers (scales included)")
+    ax.set_ylabel(f"{subject.quality_metric} ({'higher' if subject.higher_is_better else 'lower'} is better)")
+    if not subject.higher_is_better:
+        ax.set_yscale("log")
+    ax.set_title(f"{subject.name}: quality against bits")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    if subject.note:
+        fig.text(0.01, 0.01, subject.note, fontsize=6.5, wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if subject.note else 0, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+BUDGET_CANDIDATES = ("int8", "int4_g32", "int4", "int3", "int2")
+
+
+def allocate_for_budget(subject: Subject, candidates: Sequence[str], budget_bits: float,
+                        progress: Callable[[str], None] | None = None, calib_batches: int = 2) -> dict:
+    """Per-layer schemes that fit `budget_bits` per parameter (stored bits of the quantized
+    layers) with the least predicted quality loss; applied to a copy and measured.
+
+    Returns {'row': a compare() row, 'choices': {layer: scheme}, 'predicted': ..., 'measured': ...}.
+    """
+    from ..quant.sensitivity import allocate_bits, apply_allocation, layer_sensitivity
+
+    say = progress or (lambda msg: None)
+    model = copy.deepcopy(subject.model)
+    calib = subject.calibration[:calib_batches]
+    say(f"{subject.name}: per-layer sensitivity of {', '.join(candidates)} on {len(calib)} batches")
+    table = layer_sensitivity(model, list(candidates), calib, loss_fn=subject.loss_fn, skip=subject.skip)
+    allocation = allocate_bits(table, budget_bits_per_param=budget_bits,
+                               metric="loss" if table.has_loss else "sqnr")
+    say(f"{subject.name}: applying the allocation ({allocation.bits_per_param:.3f} bits/param)")
+    t0 = time.perf_counter()
+    report = apply_allocation(model, allocation, data=calib, loss_fn=subject.loss_fn)
+    row = measure(subject, model, f"allocated (≤{budget_bits:g} bits)", f"alloc≤{budget_bits:g}",
+                  report.measured_bits_per_param)
+    row["method"] = "rtn"
+    row["quantize_seconds"] = time.perf_counter() - t0
+    return {"row": row, "budget_bits_per_param": budget_bits, "choices": dict(allocation.choices),
+            "scheme_counts": allocation.scheme_counts(), "predicted": allocation.to_dict(),
+            "measured": report.to_dict()}

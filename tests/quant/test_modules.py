@@ -1,0 +1,380 @@
+"""QuantLinear / QuantEmbedding: every fast kernel against the slow reference
+F.linear(x, qweight.dequantize()), with tolerances derived from each kernel's arithmetic; the
+packed layouts; honest byte counts; lookups; errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fewbits.quant import get_scheme, list_schemes, quantize
+from fewbits.quant import lowbit_ops as ops
+from fewbits.quant import scales as sc
+from fewbits.quant import modules as qm
+from fewbits.quant.modules import KernelQuantizedTensor, QuantEmbedding, QuantLinear, available_kernels
+
+pytestmark = pytest.mark.usefixtures("eager_kernels")
+
+BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding moves a value by <= 2^-9 of it
+ALL_SCHEMES = list_schemes()
+
+
+def _linear(out_features=64, in_features=96, seed=0, bias=True):
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():  # an outlier row and column, as real weights have
+        lin.weight[3] *= 8
+        lin.weight[:, 5] *= 4
+    return lin
+
+
+def _x(shape, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# tolerances
+# ---------------------------------------------------------------------------------------------
+def weight_error_bound(qt) -> torch.Tensor:
+    """Per-weight bound B with |w_kernel - w| <= 2^-9 * B for kernels that hold the scales (and
+    zeros) in bfloat16: int4pack reads w = (u - 8) * bf16(s) + bf16((8 - zp) * s), so
+    B = (|u - 8| + |8 - zp|) * s (= |w| when symmetric); the int8 kernel's bf16 scale gives |w|."""
+    w = qt.dequantize(torch.float32)
+    s = qt.scheme
+    if s.symmetric or s.format.bits != 4:
+        return w.abs()
+    n, k = qt.shape
+    q = qt.int_codes()[:, :k].to(torch.float32) if s.granularity != "tensor" else qt.int_codes().reshape(n, k).float()
+    zp = qt.zero_point_values().to(torch.float32)
+    sv = qt.scale_values()
+    if s.granularity == "group":
+        zp = zp.repeat_interleave(s.group_size, dim=1)[:, :k]
+        sv = sv.repeat_interleave(s.group_size, dim=1)[:, :k]
+    return ((q - 8).abs() + (8 - zp).abs()) * sv
+
+
+def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
+    """The module's output against its reference, within the error its kernel's arithmetic
+    allows (see fewbits.quant.lowbit_ops):
+    - bf16 activations / scales / results (int4pack, int8pack, bf16): each of x, the weight's
+      scale (and zero) and the result is rounded to bfloat16 once, so
+      |y - ref| <= 2^-9 * (|x| @ (|W| + B).T) + 2^-9 * |y| (+ second-order terms; 2^-8 covers them);
+    - exact integer products (w8a8_*) and float32 decoding (dequant): only float32 summation
+      order differs, |y - ref| <= K * 2^-24 * (|x| @ |W|.T) per output.
+    """
+    y = module(x)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], module.out_features)
+    xf = x.float().reshape(-1, module.in_features)
+    ref = module.reference_forward(x.float()).reshape(-1, module.out_features)
+    yf = y.float().reshape(-1, module.out_features)
+    qt = module.qweight
+    w_abs = qt.dequantize(torch.float32).abs()
+    if module.scheme.activations is not None:
+        xf = quantize(xf, module.scheme.activations).dequantize()
+    mag = xf.abs() @ w_abs.T
+    bias = module.bias.abs().float() if module.bias is not None else 0
+    if module.kernel in ("int4pack", "int8pack", "bf16") or x.dtype != torch.float32:
+        bound = weight_error_bound(qt) if module.kernel == "int4pack" else w_abs
+        tol = BF16_EPS * (xf.abs() @ (w_abs + bound).T + ref.abs() + bias)
+    else:
+        tol = module.in_features * 2.0 ** -23 * (mag + bias) + 1e-30
+    err = (yf - ref).abs()
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"{module.kernel}: error {err.max().item():.3e} exceeds the bound (ratio {worst:.2f})"
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# which kernel runs what
+# ---------------------------------------------------------------------------------------------
+def test_auto_picks_torchs_kernels_here():
+    if ops.int4pack_layout() is None:
+        pytest.skip("this torch has no int4 CPU packing")
+    want = {"int4": "int4pack", "int4_asym": "int4pack", "int4_g32": "int4pack", "int4_channel": "int4pack",
+            "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
+            "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
+            "w8a8": "w8a8_onednn" if ops.onednn_int8_available() else "w8a8_int_mm"}
+    for name, kernel in want.items():
+        assert available_kernels(name, (64, 256))[0] == kernel, name
+        assert QuantLinear.from_linear(_linear(64, 256), name).kernel == kernel
+
+
+def test_shapes_the_kernels_cannot_take_fall_back():
+    assert "int4pack" not in available_kernels("int4", (40, 256))        # N % 16
+    assert "int4pack" not in available_kernels(get_scheme("int4").with_(group_size=16), (64, 256))
+    assert "int8pack" not in available_kernels("int8", (64, 100))        # K % 16 (torch reads past the row)
+    assert available_kernels("int8", (64, 100))[0] == "dequant"
+    assert available_kernels(get_scheme("int8").with_(axis=1), (64, 96)) == ["dequant"]
+    act_percentile = get_scheme("w8a8").activations.with_(scale_method="percentile")
+    assert available_kernels(get_scheme("w8a8").with_(activations=act_percentile), (64, 96)) == ["dequant"]
+    with pytest.raises(ValueError, match="cannot run"):
+        QuantLinear.from_linear(_linear(64, 100), "int8", kernel="int8pack")
+    with pytest.raises(ValueError, match="kernel must be"):
+        QuantLinear.from_linear(_linear(), "int8", kernel="fastest")
+
+
+# ---------------------------------------------------------------------------------------------
+# every kernel against the reference
+# ---------------------------------------------------------------------------------------------
+def _cases():
+    out = []
+    for name in ALL_SCHEMES:
+        for shape in [(64, 96), (48, 256), (32, 200)]:
+            for kernel in available_kernels(name, shape):
+                out.append(pytest.param(name, shape, kernel, id=f"{name}-{shape[0]}x{shape[1]}-{kernel}"))
+    return out
+
+
+@pytest.mark.parametrize("name,shape,kernel", _cases())
+def test_kernel_matches_reference(name, shape, kernel):
+    lin = _linear(*shape, seed=shape[1])
+    m = QuantLinear.from_linear(lin, name, kernel=kernel)
+    assert m.kernel == kernel
+    for xshape in [(1, shape[1]), (7, shape[1]), (2, 3, shape[1])]:
+        assert_close_to_reference(m, _x(xshape, seed=len(xshape)))
+
+
+@pytest.mark.parametrize("kernel", ["int4pack", "int8pack", "bf16", "w8a8_onednn", "w8a8_int_mm", "dequant"])
+def test_bfloat16_and_float16_inputs(kernel):
+    scheme = {"int4pack": "int4_asym", "int8pack": "int8", "bf16": "bf16", "w8a8_onednn": "w8a8",
+              "w8a8_int_mm": "w8a8", "dequant": "nf4"}[kernel]
+    if kernel not in available_kernels(scheme, (64, 128)):
+        pytest.skip(f"{kernel} is not available here")
+    m = QuantLinear.from_linear(_linear(64, 128), scheme, kernel=kernel)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert_close_to_reference(m, _x((5, 128), dtype))
+    bf16_model = QuantLinear.from_linear(_linear(64, 128).to(torch.bfloat16), scheme, kernel=kernel)
+    assert bf16_model.dtype == torch.bfloat16 and bf16_model.bias.dtype == torch.bfloat16
+    assert_close_to_reference(bf16_model, _x((5, 128), torch.bfloat16))
+
+
+def test_dequant_path_decodes_exactly_what_dequantize_gives(monkeypatch):
+    """The decoder's float32 blocks are bit-identical to QuantizedTensor.dequantize(), for every
+    preset, also over padded groups and widths that straddle bytes, and blocks of rows combine to
+    the same product."""
+    torch.manual_seed(0)
+    for name in ALL_SCHEMES:
+        for shape in [(24, 100), (17, 64)]:
+            qt = quantize(torch.randn(shape) * 3, name)
+            dec = qm._RowDecoder(qt)
+            scales, zps = dec.params()
+            full = dec.block(0, shape[0], scales, zps)
+            assert torch.equal(full, qt.dequantize(torch.float32)), (name, shape)
+            assert torch.equal(dec.block(5, 9, scales, zps), full[5:9]), (name, shape)
+    monkeypatch.setattr(qm, "_ROW_BLOCK_VALUES", 300)  # several row blocks per call
+    m = QuantLinear.from_linear(_linear(64, 96), "nf4")
+    assert qm._rows_per_block(96, 4) < 64
+    x = _x((6, 96))
+    assert torch.allclose(m(x), m.reference_forward(x), rtol=0, atol=1e-5)
+
+
+def test_w8a8_activation_quantization_equals_quantize_exactly():
+    """The fused activation quantizer gives quantize()'s codes and scales bit for bit: ties
+    (x * 127 / amax exactly halfway), a zero row, bf16 and fp16 scale formats, per tensor."""
+    x = _x((10, 64)) * 5
+    x[2] = 0.0
+    x[4, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1 -> ties to even
+    x[4, 4:] = 0.25
+    x[7] = -x[7].abs()  # the extreme is negative
+    x[9] = 2e-38  # amax / 127 is subnormal: 1 / scale overflows, the codes saturate
+    act = get_scheme("w8a8").activations
+    for a in [act, act.with_(scale_format="bf16"), act.with_(scale_format="fp16"), act.with_(granularity="tensor")]:
+        for rows in (x, x[3:9]):  # with a zero row (scale 0 read as 1) and without
+            qt = quantize(rows, a)
+            for saturate in (True, a.scale_format != "fp32"):
+                q, s = ops.quantize_rows_int8(rows, a.granularity == "channel",
+                                              lambda v: sc.round_scales(v, a.scale_format), saturate=saturate)
+                assert torch.equal(q.to(torch.int64), qt.int_codes().reshape(rows.shape)), a.label
+                assert torch.equal(s, qt.scale_values().reshape(-1)), a.label
+                q_u8, _ = ops.quantize_rows_int8(rows, a.granularity == "channel",
+                                                 lambda v: sc.round_scales(v, a.scale_format), saturate, offset=True)
+                assert q_u8.dtype == torch.uint8 and torch.equal(q_u8.to(torch.int64) - 128, q.to(torch.int64))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        QuantLinear.from_linear(_linear(16, 64), "w8a8")(torch.full((2, 64), float("inf")))
+
+
+def test_w8a8_kernels_agree_with_each_other():
+    kernels = [k for k in ("w8a8_onednn", "w8a8_int_mm") if k in available_kernels("w8a8", (64, 96))]
+    if len(kernels) < 2:
+        pytest.skip("oneDNN int8 is not available here")
+    lin = _linear(64, 96)
+    a, b = (QuantLinear.from_linear(lin, "w8a8", kernel=k) for k in kernels)
+    x = _x((11, 96))
+    assert torch.allclose(a(x), b(x), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts and bytes
+# ---------------------------------------------------------------------------------------------
+def test_int4_packed_layout_round_trips():
+    if ops.int4pack_layout() is None:
+        pytest.skip("this torch has no int4 CPU packing")
+    g = torch.Generator().manual_seed(3)
+    for n in (16, 48, 64, 80, 144, 176):  # whole blocks and every partial-block size
+        u = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
+        assert torch.equal(ops.unpack_int4(ops.pack_int4(u), n, 64), u.to(torch.uint8)), n
+
+
+@pytest.mark.parametrize("name", ["int4", "int4_asym", "int4_g32", "int4_channel", "w8a8"])
+def test_kernel_layouts_hold_the_codes_once_and_give_them_back_bit_identical(name):
+    lin = _linear(64, 200 if name == "int4_channel" else 256)
+    qt = quantize(lin.weight.detach(), name)
+    m = QuantLinear(qt, lin.bias)
+    if m.kernel not in ("int4pack", "w8a8_onednn"):
+        pytest.skip(f"{m.kernel} keeps the codes as they are")
+    held = m.qweight
+    assert isinstance(held, KernelQuantizedTensor) and held.codes_derived
+    for key, t in qt.state_dict().items():
+        assert torch.equal(held.state_dict()[key], t), key
+    assert torch.equal(held.dequantize(), qt.dequantize())
+    assert torch.equal(held.plain().codes, qt.codes)
+    # the bytes held: the kernel's packed weight instead of the codes, plus its extras
+    kt = held.kernel_tensors
+    others = qt.nbytes - qt.codes.nbytes
+    if m.kernel == "int4pack":
+        # 4 bits per value, no unpacked copy (in_features 200 per channel is padded to 224:
+        # tinygemm's groups are multiples of 32)
+        assert kt["weight"].nbytes == 64 * (224 if name == "int4_channel" else 256) // 2
+        assert held.nbytes == others + kt["weight"].nbytes + kt["scales_and_zeros"].nbytes
+    else:
+        assert held.nbytes == others + ops.onednn_prepacked_nbytes(64, 256)
+
+
+def test_int4_g128_weight_is_at_most_a_sixth_of_fp32():
+    lin = _linear(256, 1024)
+    m = QuantLinear.from_linear(lin, "int4")
+    fp32_bytes = lin.weight.nbytes
+    assert m.nbytes <= fp32_bytes / 6
+    assert m.nbytes >= m.in_features * m.out_features // 2  # nothing is hidden: the codes alone are K*N/2
+
+
+@pytest.mark.parametrize("name,kernel", [("int8", "int8pack"), ("bf16", "bf16"), ("w8a8", "w8a8_int_mm")])
+def test_views_of_the_codes_are_not_counted_twice(name, kernel):
+    lin = _linear(64, 128)
+    qt = quantize(lin.weight.detach(), name)
+    m = QuantLinear(qt, lin.bias, kernel=kernel)
+    extra = {"int8pack": 64 * 2, "bf16": 0, "w8a8_int_mm": 0}[kernel]  # int8pack's bf16 scales
+    assert m.nbytes == qt.nbytes + extra
+    assert not m.qweight.codes_derived
+
+
+# ---------------------------------------------------------------------------------------------
+# module behaviour
+# ---------------------------------------------------------------------------------------------
+def test_bias_none_empty_batch_and_repr():
+    lin = _linear(32, 64, bias=False)
+    m = QuantLinear.from_linear(lin, "int4_g32")
+    assert m.bias is None
+    x = _x((3, 64))
+    assert torch.allclose(m(x), m.reference_forward(x), atol=0.1)
+    assert m(torch.zeros(0, 64)).shape == (0, 32)
+    assert m(torch.zeros(2, 0, 64)).shape == (2, 0, 32)
+    text = repr(m)
+    assert "int4_g32" in text and "kernel=" in text and "nbytes=" in text
+
+
+def test_gradient_flows_to_the_input_through_the_reference():
+    m = QuantLinear.from_linear(_linear(32, 64), "int4")
+    x = _x((4, 64)).requires_grad_()
+    m(x).sum().backward()
+    w = m.qweight.dequantize()
+    assert torch.allclose(x.grad, w.sum(0).expand(4, 64))
+    assert not any(p.requires_grad for p in m.parameters())
+
+
+def test_constructor_errors():
+    qt = quantize(torch.randn(16, 32), "int8")
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        QuantLinear(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="2-d"):
+        QuantLinear(quantize(torch.randn(2, 16, 32), "int8"))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        QuantLinear(qt, torch.zeros(15))
+    with pytest.raises(TypeError, match="bias"):
+        QuantLinear(qt, torch.zeros(16, dtype=torch.int64))
+    with pytest.raises(TypeError, match="nn.Linear"):
+        QuantLinear.from_linear(nn.Conv1d(2, 2, 1), "int8")
+    m = QuantLinear(qt)
+    with pytest.raises(ValueError, match="in_features=32"):
+        m(torch.randn(3, 31))
+    with pytest.raises(TypeError, match="float tensor"):
+        m(torch.ones(3, 32, dtype=torch.int64))
+
+
+def test_a_held_kernel_tensor_builds_a_new_module():
+    lin = _linear(64, 256)
+    a = QuantLinear.from_linear(lin, "int4")
+    b = QuantLinear.from_quantized(a.qweight, lin.bias, kernel="dequant")
+    x = _x((2, 256))
+    assert torch.allclose(b(x), a.reference_forward(x), atol=1e-5)
+    assert torch.equal(b.qweight.codes, a.qweight.codes)
+
+
+def test_quantize_model_uses_these_modules():
+    from fewbits.quant.model import is_quantized, model_nbytes, quantize_model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    x = _x((3, 64))
+    want = model(x)
+    quantize_model(model, {"0": "int4_g32", "2": "w8a8"})
+    assert isinstance(model[0], QuantLinear) and is_quantized(model[0]) and is_quantized(model[2])
+    with torch.no_grad():
+        got = model(x)
+        h = assert_close_to_reference(model[0], x)
+        assert_close_to_reference(model[2], torch.relu(h))
+    assert (got - want).norm() < 0.2 * want.norm()  # and the quantized model still computes the model
+    sizes = model_nbytes(model)
+    assert sizes["quantized"] == model[0].nbytes + model[2].nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantEmbedding
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_embedding_lookup_equals_the_dequantized_table(name):
+    torch.manual_seed(0)
+    emb = nn.Embedding(37, 40)  # 40 * 3 bits: int3 rows do not start on whole bytes
+    qe = QuantEmbedding.from_embedding(emb, name)
+    ids = torch.tensor([[0, 5, 36, 5], [2, 2, 9, 30]])
+    got = qe(ids)
+    assert got.shape == (2, 4, 40) and got.dtype == torch.float32
+    assert torch.equal(got, qe.reference_forward(ids))
+    assert torch.equal(qe(torch.tensor(7)), qe.qweight.dequantize()[7])
+    assert qe(torch.zeros(0, dtype=torch.int64)).shape == (0, 40)
+
+
+def test_embedding_options_and_errors():
+    emb = nn.Embedding(10, 16, padding_idx=-1)
+    qe = QuantEmbedding.from_embedding(emb, "int8")
+    assert qe.padding_idx == 9 and "padding_idx=9" in repr(qe)
+    assert qe.nbytes == qe.qweight.nbytes
+    assert qe(torch.tensor([1, 2], dtype=torch.int32)).shape == (2, 16)
+    with pytest.raises(IndexError, match="out of range"):
+        qe(torch.tensor([10]))
+    with pytest.raises(IndexError, match="out of range"):
+        qe(torch.tensor([-1]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        qe(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="max_norm"):
+        QuantEmbedding.from_embedding(nn.Embedding(10, 16, max_norm=1.0), "int8")
+    with pytest.raises(TypeError, match="nn.Embedding"):
+        QuantEmbedding.from_embedding(nn.Linear(2, 2), "int8")
+    bf = QuantEmbedding.from_embedding(nn.Embedding(10, 16).to(torch.bfloat16), "int4")
+    assert bf(torch.tensor([3])).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["w8a8", "int4", "nf4"])
+def test_copies_and_pickles_rebuild_the_kernel(name):
+    import copy
+    import io
+    m = QuantLinear.from_linear(_linear(32, 64), name)
+    x = _x((2, 64))
+    twin = copy.deepcopy(m)
+    assert twin.kernel == m.kernel and torch.equal(twin(x), m(x))
+    assert type(copy.deepcopy(m.qweight)) is type(quantize(torch.zeros(1, 1), "int8"))  # a plain copy
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded(x), m(x)) and loaded.nbytes == m.nbytes

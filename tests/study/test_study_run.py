@@ -1,0 +1,172 @@
+"""The study's orchestration: part selection, failures kept inside their part, the CLI, and the
+formats part for real (the other parts run minutes on real models: see test_browser.py's slow test)."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from fewbits.cli import main
+from fewbits.study import run as study_run
+from fewbits.study.run import PARTS, PartOutput, Progress, parse_parts, run_study
+
+
+def _png(path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 1), dpi=50)
+    FigureCanvasAgg(fig)
+    fig.savefig(path)
+
+
+def _ok_part(ctx):
+    out = PartOutput()
+    _png(ctx.out / "ok.png")
+    out.figure("ok.png", "ok figure", "made by a fake part")
+    out.table("ok table", [("k", "key", "text"), ("v", "value", "f2")], [{"k": "a", "v": 1.2345}])
+    out.numbers["answer"] = 42
+    out.highlights.append("the fake part ran")
+    return out
+
+
+def _failing_part(ctx):
+    raise RuntimeError("boom in the middle")
+
+
+def _missing_dependency_part(ctx):
+    raise ImportError("loading a Hugging Face model needs transformers: pip install transformers")
+
+
+@pytest.fixture
+def fake_parts(monkeypatch):
+    monkeypatch.setitem(study_run.PART_FUNCTIONS, "formats", _ok_part)
+    monkeypatch.setitem(study_run.PART_FUNCTIONS, "memory", _failing_part)
+    monkeypatch.setitem(study_run.PART_FUNCTIONS, "speed", _missing_dependency_part)
+    monkeypatch.setitem(study_run.PART_FUNCTIONS, "quant", _ok_part)
+    monkeypatch.setitem(study_run.PART_FUNCTIONS, "train", _ok_part)
+
+
+def test_parse_parts():
+    assert parse_parts(None) == PARTS
+    assert parse_parts("quant, formats") == ("formats", "quant")  # the study's order, not the user's
+    assert parse_parts(["TRAIN"]) == ("train",)
+    with pytest.raises(ValueError, match="unknown part.*'fromats'"):
+        parse_parts("fromats,quant")
+    with pytest.raises(ValueError, match="at least one part"):
+        parse_parts(" , ")
+
+
+def test_a_failing_part_does_not_stop_the_others(tmp_path, fake_parts):
+    log = io.StringIO()
+    study = run_study(tmp_path, quick=True, progress=Progress(log))
+    status = {p["name"]: p["status"] for p in study["parts"]}
+    assert status == {"formats": "ok", "memory": "failed", "speed": "failed", "quant": "ok", "train": "ok"}
+    memory = next(p for p in study["parts"] if p["name"] == "memory")
+    assert memory["error"] == "RuntimeError: boom in the middle" and "_failing_part" in memory["traceback"]
+    speed = next(p for p in study["parts"] if p["name"] == "speed")
+    assert "pip install transformers" in speed["error"] and "optional package is missing" in speed["error"]
+    page = (tmp_path / "report.html").read_text()
+    assert "boom in the middle" in page and "pip install transformers" in page and "the fake part ran" in page
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["parts"]["train"]["numbers"] == {"answer": 42}
+    assert data["parts"]["memory"]["status"] == "failed"
+    assert data["options"] == {"quick": True, "parts": list(PARTS), "model": None, "out": str(tmp_path)}
+    # progress was shown throughout: every part started and ended
+    text = log.getvalue()
+    for name in PARTS:
+        assert f": {name}" in text
+    assert "FAILED" in text and "wrote" in text
+
+
+def test_only_runs_the_selected_parts(tmp_path, fake_parts):
+    study = run_study(tmp_path, parts=["train"], progress=Progress(enabled=False))
+    assert [p["name"] for p in study["parts"]] == ["train"]
+    assert study["command"].startswith("fewbits study --only train")
+
+
+def test_cli_summary_and_exit_codes(tmp_path, fake_parts, capsys):
+    code = main(["study", "--only", "formats,quant", "--out", str(tmp_path / "r"), "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert "formats" in out and "quant" in out and "report.html" in out
+    code = main(["study", "--only", "memory,train", "--out", str(tmp_path / "j"), "--json", "--quiet"])
+    out, _ = capsys.readouterr()
+    assert code == 1  # a part failed; the report was still written
+    summary = json.loads(out)
+    assert [(p["name"], p["status"]) for p in summary["parts"]] == [("memory", "failed"), ("train", "ok")]
+    assert summary["parts"][1]["figures"] == ["ok.png"]
+    assert (tmp_path / "j" / "report.html").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "formats,nope"], "unknown part(s) 'nope'"),
+    (["--model", "/no/such/model"], "not a Hugging Face model directory"),
+])
+def test_cli_bad_input(tmp_path, capsys, argv, message):
+    code = main(["study", "--out", str(tmp_path / "x"), *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("fewbits study: error:") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()  # nothing ran
+
+
+def test_formats_part_for_real(tmp_path):
+    ctx = study_run.StudyContext(out=tmp_path, quick=True, model=None, say=lambda m: None)
+    out = study_run.part_formats(ctx)
+    files = [f["file"] for f in out.figures]
+    assert files == ["formats.png", "explain_0_3952.png", "explain_pi.png"]
+    for f in files:
+        assert (tmp_path / f).stat().st_size > 10_000
+    table = {r["format"]: r for r in out.tables[0]["rows"]}
+    assert table["fp8_e4m3"]["max"] == 448 and table["fp8_e5m2"]["max"] == 57344 and table["fp16"]["bits"] == 16
+    explain_rows = {r["format"]: r for r in out.numbers["explain_0_3952"]}
+    assert explain_rows["fp8_e4m3"]["value"] == 0.40625 and explain_rows["bf16"]["value"] == 0.39453125
+    assert explain_rows["int8"]["value"] == 0 and "uint3" not in explain_rows
+    assert any("0.40625" in h for h in out.highlights)
+
+
+def _tiny_bert_dir(path):
+    """A small random BERT saved as a Hugging Face model directory, with MiniLM's tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    from fewbits.models import minilm_path
+
+    try:
+        tokenizer_dir = minilm_path()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"MiniLM's tokenizer is not installed: {exc}")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=128)
+    transformers.BertModel(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.mark.slow
+def test_model_path_runs_memory_and_quant_on_it(tmp_path, capsys):
+    """--model PATH: the memory and quantization parts on the user's own model (about 10 s)."""
+    model_dir = _tiny_bert_dir(tmp_path / "tiny-bert")
+    out = tmp_path / "report"
+    code = main(["study", "--quick", "--only", "memory,quant", "--model", str(model_dir), "--out", str(out),
+                 "--quiet"])
+    capsys.readouterr()
+    data = json.loads((out / "results.json").read_text())
+    assert code == 0, {k: p.get("error") for k, p in data["parts"].items()}
+    assert data["options"]["model"] == str(model_dir)
+    memory, quant = data["parts"]["memory"], data["parts"]["quant"]
+    assert memory["numbers"]["tiny_bert"]["model"] == "tiny-bert"
+    fp32 = memory["numbers"]["tiny_bert"]["inference"][0]
+    assert fp32["precision"] == "fp32" and fp32["measured"] > 0 and abs(fp32["error"]) < 0.25
+    schemes = quant["numbers"]["tiny_bert"]["schemes"]
+    assert [r["scheme_name"] for r in schemes] == [None, *study_run.QUANT_SCHEMES_QUICK]
+    assert quant["numbers"]["tiny_bert"]["quality_metric"] == "cosine"
+    assert not any("Q4_1" in n for n in quant["notes"])  # the SmolLM2 caveat belongs to SmolLM2 only
+    assert sorted(p.name for p in out.glob("*.png")) == ["memory_tiny_bert.png", "quant_tiny_bert.png"]
