@@ -4,18 +4,25 @@ from .formats import (
 )
 from .formats.explain import explain
 from .kernels import decode, encode, pack, round, unpack, use_backend
+from .quant import QuantizedTensor, QuantScheme, get_scheme, list_schemes, quantize
 from .quant.io import load, save
+from .quant.model import model_nbytes, quantize_model
 from .quant.modules import QuantEmbedding, QuantLinear
 from .quant.qat import convert_qat, prepare_qat
 from .quant.sensitivity import allocate_bits, apply_allocation, layer_sensitivity
-from .train import Policy
+from .train import Engine, LossScaler, Policy
 from .memory import estimate_memory
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # formats and kernels
     "Format", "FloatFormat", "IntFormat", "LookupFormat", "MODES", "OVERFLOW_POLICIES",
     "get_format", "list_formats", "explain", "round", "encode", "decode", "pack", "unpack", "use_backend",
-    "save", "load", "QuantLinear", "QuantEmbedding", "prepare_qat", "convert_qat", "layer_sensitivity", "allocate_bits", "apply_allocation",
-    "Policy", "estimate_memory",
+    # quantization
+    "QuantScheme", "QuantizedTensor", "get_scheme", "list_schemes", "quantize", "quantize_model",
+    "model_nbytes", "save", "load", "QuantLinear", "QuantEmbedding", "prepare_qat", "convert_qat",
+    "layer_sensitivity", "allocate_bits", "apply_allocation",
+    # training, memory
+    "Policy", "Engine", "LossScaler", "estimate_memory",
 ]
