@@ -295,3 +295,9 @@ def test_entries_the_scheme_does_not_use_are_rejected():
 def test_empty_tensors(name, shape):
     q = quantize(torch.zeros(shape), name)
     assert q.dequantize().shape == shape
+
+
+def test_quantize_model_refuses_a_bare_linear():
+    from fewbits.quant.model import quantize_model
+    with pytest.raises(ValueError, match="cannot be replaced in place"):
+        quantize_model(torch.nn.Linear(4, 4), "int8")

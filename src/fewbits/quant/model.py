@@ -92,6 +92,9 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model() takes an nn.Module, got {type(model).__name__}")
     plan = resolve_plan(model, scheme_or_rules, skip, embeddings)
+    if "" in plan:
+        raise ValueError(f"the model itself is an {type(model).__name__}: it cannot be replaced in place; "
+                         "use QuantLinear.from_linear(layer, scheme), or wrap it in an nn.Sequential")
     if not plan:
         raise ValueError("no layer matched: nothing to quantize (check the rules and skip patterns)")
     if method == "gptq":

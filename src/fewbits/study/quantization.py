@@ -211,13 +211,13 @@ def plot_quality_vs_bits(rows: list[dict], subject: Subject, path: str | Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=110)
     base = rows[0]
-    for r in rows[1:]:
+    markers = "osD^v<>pPX*h"
+    for i, r in enumerate(rows[1:]):  # a legend, not labels: points at nearly equal bits overlap
         x = r.get("layer_bits_per_param", r["bits_per_param"])
-        ax.scatter(x, r["quality"], s=36, zorder=3)
-        ax.annotate(r.get("scheme_name") or r["scheme"], (x, r["quality"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=8)
+        ax.scatter(x, r["quality"], s=42, zorder=3, marker=markers[i % len(markers)],
+                   label=f"{r.get('scheme_name') or r['scheme']} ({x:.3g} b)")
     ax.axhline(base["quality"], color="k", lw=1, ls="--", label=f"fp32 ({base['quality']:.4g})")
     ax.set_xlabel("bits per parameter of the quantized layers (scales included)")
     ax.set_ylabel(f"{subject.quality_metric} ({'higher' if subject.higher_is_better else 'lower'} is better)")
@@ -225,7 +225,7 @@ def plot_quality_vs_bits(rows: list[dict], subject: Subject, path: str | Path) -
         ax.set_yscale("log")
     ax.set_title(f"{subject.name}: quality against bits")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     if subject.note:
         fig.text(0.01, 0.01, subject.note, fontsize=6.5, wrap=True)
     fig.tight_layout(rect=(0, 0.05 if subject.note else 0, 1, 1))
