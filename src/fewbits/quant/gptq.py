@@ -32,7 +32,6 @@ Differences from the reference implementation, and why:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -44,6 +43,7 @@ from torch import nn
 from ..formats import IntFormat
 from ..kernels import decode, encode, round as fb_round
 from . import scales as sc
+from .lowbit_ops import one_thread
 from .model import _progress
 from .scheme import QuantScheme, get_scheme
 from .tensor import QuantizedTensor, quantize, to_groups
@@ -289,22 +289,6 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
                      "(is it badly scaled?)")
 
 
-@contextlib.contextmanager
-def _single_thread():
-    """One torch thread for the column loop: its operations are small (one column, one block),
-    and a parallel region per operation costs more than the work, far more on a busy machine
-    (measured here: a 128 x 1536 rank-1 update took 11 us on one thread, 16 ms on two)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, damp: float = 0.01,
                act_order: bool = False, static_groups: bool | None = None) -> GPTQResult:
     """GPTQ on one weight matrix W [out, in] with the Hessian H [in, in] of its input
@@ -361,7 +345,9 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
         W1 = Wt[i1:i2].clone()
         Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
-        with _single_thread():
+        # one thread: the column loop's operations are tiny and a parallel region per operation
+        # costs more than the work (a 128 x 1536 rank-1 update: 11 us on one thread, 16 ms on two)
+        with one_thread():
             for i in range(i2 - i1):
                 col = order[i1 + i] if order is not None else i1 + i
                 if not grid.static and col % grid.group_size == 0:

@@ -41,6 +41,20 @@ SERIAL_MAX_NUMEL = 1 << 20  # elementwise steps on at most this many values run 
 
 
 @contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block (see one_thread_if_small for why), restored after."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def one_thread_if_small(numel: int):
     """Run the small elementwise steps around a kernel (casts, activation quantization, rescale,
     bias) on one thread; the kernel itself keeps all threads.
@@ -50,15 +64,11 @@ def one_thread_if_small(numel: int):
     runs again -- about 12 ms per region on this project's 2-core VM under load, against tens
     of microseconds of work for an activation of 64 x 4096. torch.set_num_threads changes the
     calling thread's OpenMP and MKL settings only, and costs well under a microsecond."""
-    threads = torch.get_num_threads()
-    if threads <= 1 or numel > SERIAL_MAX_NUMEL:
+    if numel > SERIAL_MAX_NUMEL:
         yield
         return
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _has_op(namespace, name: str) -> bool:
