@@ -144,6 +144,10 @@ SCHEMES = [
     QuantScheme("fp8_e4m3", "group", group_size=64, scale_format="fp16"),
     QuantScheme("int4", "group", group_size=32, mode="stochastic", seed=3),
     QuantScheme("int4", "group", group_size=32, mode="toward_zero"),
+    "q4_1",  # float minimums (GGUF Q4_1)
+    QuantScheme("uint4", "channel", symmetric=False, zero_point="float"),
+    QuantScheme("uint4", "group", group_size=32, symmetric=False, zero_point="float", scale_format="bf16",
+                double_quant=True),
 ]
 
 

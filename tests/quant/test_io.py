@@ -18,7 +18,7 @@ from fewbits.quant.io import FileFormatError
 from fewbits.quant.model import is_quantized, quantize_model, quantized_module
 from fewbits.quant.modules import QuantEmbedding, QuantLinear
 
-ROUND_TRIP_SCHEMES = ["int4", "int4_asym", "nf4_dq", "mxfp4", "nvfp4", "w8a8", "bf16"]
+ROUND_TRIP_SCHEMES = ["int4", "int4_asym", "q4_1", "nf4_dq", "mxfp4", "nvfp4", "w8a8", "bf16"]
 
 
 # ---------------------------------------------------------------------------------------------

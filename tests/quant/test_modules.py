@@ -46,8 +46,14 @@ def weight_error_bound(qt) -> torch.Tensor:
         return w.abs()
     n, k = qt.shape
     q = qt.int_codes()[:, :k].to(torch.float32) if s.granularity != "tensor" else qt.int_codes().reshape(n, k).float()
-    zp = qt.zero_point_values().to(torch.float32)
     sv = qt.scale_values()
+    if s.zero_point == "float":  # int4pack reads w = (u - 8) * bf16(s) + bf16(8 * s + min)
+        zero = 8 * sv + qt.minimum_values()
+        if s.granularity == "group":
+            zero = zero.repeat_interleave(s.group_size, dim=1)[:, :k]
+            sv = sv.repeat_interleave(s.group_size, dim=1)[:, :k]
+        return (q - 8).abs() * sv + zero.abs()
+    zp = qt.zero_point_values().to(torch.float32)
     if s.granularity == "group":
         zp = zp.repeat_interleave(s.group_size, dim=1)[:, :k]
         sv = sv.repeat_interleave(s.group_size, dim=1)[:, :k]
@@ -91,7 +97,7 @@ def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
 def test_auto_picks_torchs_kernels_here():
     if ops.int4pack_layout() is None:
         pytest.skip("this torch has no int4 CPU packing")
-    want = {"int4": "int4pack", "int4_asym": "int4pack", "int4_g32": "int4pack", "int4_channel": "int4pack",
+    want = {"int4": "int4pack", "int4_asym": "int4pack", "q4_1": "int4pack", "int4_g32": "int4pack", "int4_channel": "int4pack",
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
             "w8a8": "w8a8_onednn" if ops.onednn_int8_available() else "w8a8_int_mm"}
@@ -216,7 +222,7 @@ def test_int4_packed_layout_round_trips():
         assert torch.equal(ops.unpack_int4(ops.pack_int4(u), n, 64), u.to(torch.uint8)), n
 
 
-@pytest.mark.parametrize("name", ["int4", "int4_asym", "int4_g32", "int4_channel", "w8a8"])
+@pytest.mark.parametrize("name", ["int4", "int4_asym", "q4_1", "int4_g32", "int4_channel", "w8a8"])
 def test_kernel_layouts_hold_the_codes_once_and_give_them_back_bit_identical(name):
     lin = _linear(64, 200 if name == "int4_channel" else 256)
     qt = quantize(lin.weight.detach(), name)

@@ -27,6 +27,11 @@ EXTRA_SCHEMES = [
     QuantScheme("int3", "channel", axis=1, name="int3_axis1"),
     QuantScheme("fp4_e2m1", "mx", mx_scale_mode="rceil", name="mxfp4_rceil"),
     QuantScheme("int4", "tensor", name="int4_tensor"),
+    QuantScheme("uint4", "channel", symmetric=False, zero_point="float", name="uint4_channel_fmin"),
+    QuantScheme("uint8", "group", group_size=48, symmetric=False, zero_point="float", scale_format="bf16",
+                double_quant=True, name="uint8_g48_fmin_dq"),
+    QuantScheme("uint4", "group", group_size=32, symmetric=False, zero_point="float", scale_format="fp16",
+                mode="stochastic", seed=7, name="q4_1_sr"),
 ]
 ALL_SCHEMES = [get_scheme(s) for s in list_schemes()] + EXTRA_SCHEMES
 

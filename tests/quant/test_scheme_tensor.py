@@ -1,7 +1,6 @@
 """QuantScheme validation and sizes; QuantizedTensor against a scalar reference; round trips."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

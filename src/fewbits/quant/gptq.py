@@ -46,7 +46,7 @@ from . import scales as sc
 from .lowbit_ops import one_thread
 from .model import _progress
 from .scheme import QuantScheme, get_scheme
-from .tensor import QuantizedTensor, quantize, to_groups
+from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, to_groups
 
 __all__ = ["GPTQResult", "gptq_solve", "gptq_quantize_weight", "hessian_error", "collect_hessians",
            "gptq_quantize_model"]
@@ -63,7 +63,8 @@ class _Grid:
 
     For every scale group g (a range of columns): `inv[g]` (multiplies the weights before
     rounding, as quantize() does), `scale[g]` (multiplies the rounded values: what dequantize()
-    uses), `zero[g]` (float zero points, asymmetric) and `raw[g]` (the stored E8M0/E4M3 scale
+    uses), `zero[g]` (float zero points, asymmetric), `minimum[g]` (float minimums,
+    zero_point="float": w ~= q * scale + minimum) and `raw[g]` (the stored E8M0/E4M3 scale
     codes of MX/NVFP4). Everything is float32 [rows] so the arithmetic matches quantize() and
     QuantizedTensor.dequantize() exactly.
     """
@@ -88,6 +89,7 @@ class _Grid:
         self.inv: list = [None] * self.n_groups
         self.scale: list = [None] * self.n_groups
         self.zero: list = [None] * self.n_groups
+        self.minimum: list = [None] * self.n_groups
         self.raw: list = [None] * self.n_groups
         self.dq_parts = None
         self.tensor_scale = None
@@ -110,6 +112,9 @@ class _Grid:
         qt = quantize(W, self.nearest)  # the scheme's own scale rule on the original weights
         values = qt.scale_values().expand(self.rows, self.n_groups)  # per-tensor: [1, 1]
         zps = qt.zero_point_values()
+        mins = qt.minimum_values()
+        if mins is not None:
+            mins = mins.expand(self.rows, self.n_groups)
         if s.double_quant:
             self.dq_parts = {"dq_codes": qt.dq_codes, "dq_scales": qt.dq_scales, "dq_offset": qt.dq_offset}
         for g in range(self.n_groups):
@@ -122,6 +127,8 @@ class _Grid:
                 self.inv[g] = sc.reciprocal(self.scale[g])
             if zps is not None:
                 self.zero[g] = zps[:, g].to(torch.float32)
+            if mins is not None:
+                self.minimum[g] = mins[:, g].contiguous()
             if s.granularity in ("mx", "nvfp4"):
                 self.raw[g] = qt.scales[:, g]
 
@@ -151,7 +158,10 @@ class _Grid:
             self.scale[g] = sc.mx_scale_values(codes, s)
             self.inv[g] = 1.0 / self.scale[g]
             return
-        if s.symmetric:
+        if s.zero_point == "float":
+            scale, mins = sc.float_min_params(view, valid, s)
+            self.minimum[g] = mins[:, 0].contiguous()
+        elif s.symmetric:
             scale = sc.symmetric_scales(view, valid, s, self._qdq_symmetric)
             self.zero[g] = None
         else:
@@ -180,6 +190,9 @@ class _Grid:
         """The dequantized value of column `col` (float32 [rows]), computed as quantize() and
         dequantize() compute it."""
         g = self.group_of(col)
+        minimum = self.minimum[g]
+        if minimum is not None:  # as quantize(): (w - min) * (1 / scale); dequantize: q * scale + min
+            return self.round((w - minimum) * self.inv[g]) * self.scale[g] + minimum
         y = w * self.inv[g]
         zero = self.zero[g]
         if zero is not None:
@@ -204,6 +217,8 @@ class _Grid:
             return QuantizedTensor(s, shape, dtype, **qt.state_dict())
         values = torch.stack(self.scale, dim=1)  # [rows, groups]
         zeros = (torch.stack(self.zero, dim=1).to(torch.int64) if self.zero[0] is not None else None)
+        if self.minimum[0] is not None:  # float minimums travel as quantize()'s zero_points
+            zeros = torch.stack(self.minimum, dim=1)
         if s.granularity == "tensor":  # one scale: every row holds the same
             values = values[:1]
             zeros = zeros[:1] if zeros is not None else None
@@ -212,9 +227,11 @@ class _Grid:
             # scheme stores them
             gran = "group" if s.granularity in ("mx", "nvfp4") else s.granularity
             coder = QuantScheme(s.format, gran, axis=s.axis, group_size=s.group_size if self.grouped else None,
-                                symmetric=s.symmetric, scale_format="fp32")
+                                symmetric=s.symmetric, scale_format="fp32", zero_point=s.zero_point)
             parts = quantize(Q, coder, scales=values, zero_points=zeros).state_dict()
             parts.pop("scales")
+            if "minimums" in parts:  # already rounded to the scheme's scale format: exact in its dtype
+                parts["minimums"] = parts["minimums"].to(_SCALE_DTYPES[s.scale_format])
             if s.double_quant:
                 parts.update(self.dq_parts)
             else:

@@ -7,8 +7,9 @@ the fastest path torch offers on this CPU for the scheme, chosen once at constru
 =============  ==================================================================================
 kernel         schemes and arithmetic (see fewbits.quant.lowbit_ops for each kernel's contract)
 =============  ==================================================================================
-int4pack       int4 sym / uint4 asym, groups of a multiple of 32 (or per channel / tensor):
-               torch's packed int4 matmul; bfloat16 activations, bfloat16 (scale, zero) pairs.
+int4pack       int4 sym / uint4 asym (integer zero point or float minimum), groups of a multiple
+               of 32 (or per channel / tensor): torch's packed int4 matmul; bfloat16
+               activations, bfloat16 (scale, zero) pairs.
 int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: torch's int8
                weight matmul; bfloat16 activations and scales.
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
@@ -128,7 +129,8 @@ class KernelQuantizedTensor(QuantizedTensor):
 class _RowDecoder:
     """Decodes output rows r of a 2-d QuantizedTensor [R, C] whose codes lie row by row
     (granularity tensor, channel on axis 0, group, mx, nvfp4), with the arithmetic of
-    QuantizedTensor.dequantize(): float32 decode, minus zero point, times scale."""
+    QuantizedTensor.dequantize(): float32 decode, minus zero point, times scale, plus float
+    minimum."""
 
     def __init__(self, qt: QuantizedTensor):
         s = qt.scheme
@@ -151,19 +153,23 @@ class _RowDecoder:
         return s.granularity != "channel" or s._axis(2) == 0
 
     def params(self):
-        """(scales [rows or 1, groups] float32 or None, zero points [rows, groups] float32 or None),
-        computed once per call (they are small next to the codes)."""
+        """(scales [rows or 1, groups] float32 or None, offsets), computed once per call (they
+        are small next to the codes). offsets = (integer zero points [rows, groups] float32 or
+        None, float minimums [rows, groups] float32 or None)."""
         scales = self.qt.scale_values()
         zps = self.qt.zero_point_values()
-        return scales, (zps.to(torch.float32) if zps is not None else None)
+        return scales, (zps.to(torch.float32) if zps is not None else None, self.qt.minimum_values())
 
-    def _finish(self, v: torch.Tensor, scales, zps, rows_index) -> torch.Tensor:
+    def _finish(self, v: torch.Tensor, scales, offsets, rows_index) -> torch.Tensor:
+        zps, mins = offsets
         n = v.numel() // self.row_len if self.row_len else 0
         v = v.view(n, self.groups, self.group_len)
         if zps is not None:  # per-tensor parameters have one row, shared by all
             v.sub_((zps if zps.shape[0] == 1 else zps[rows_index]).unsqueeze(-1))
         if scales is not None:
             v.mul_((scales if scales.shape[0] == 1 else scales[rows_index]).unsqueeze(-1))
+        if mins is not None:
+            v.add_((mins if mins.shape[0] == 1 else mins[rows_index]).unsqueeze(-1))
         return v.view(n, self.row_len)[:, : self.cols]
 
     def block(self, r0: int, r1: int, scales, zps) -> torch.Tensor:
@@ -406,7 +412,13 @@ class QuantLinear(nn.Module):
         del u, c
         sv = qt.scale_values()
         sv = sv.expand(n, sv.shape[1]) if sv.shape[0] == 1 else sv
-        zeros = torch.zeros_like(sv) if symmetric else (8.0 - qt.zero_point_values().to(torch.float32)) * sv
+        if symmetric:
+            zeros = torch.zeros_like(sv)
+        elif s.zero_point == "float":  # q * s + min = (q - 8) * s + (8 * s + min)
+            mins = qt.minimum_values()
+            zeros = 8.0 * sv + (mins.expand(n, mins.shape[1]) if mins.shape[0] == 1 else mins)
+        else:
+            zeros = (8.0 - qt.zero_point_values().to(torch.float32)) * sv
         per_group = (s.group_size if s.granularity == "group" else k_op) // group
         sz = ops.int4_scales_and_zeros(sv.repeat_interleave(per_group, dim=1)[:, : k_op // group],
                                        zeros.repeat_interleave(per_group, dim=1)[:, : k_op // group])

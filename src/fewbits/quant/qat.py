@@ -66,7 +66,7 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
     g, valid = to_groups(x, scheme)
-    zp = None
+    zp = mins = None
     if scheme.granularity == "mx":
         codes = sc.mx_scale_codes(sc.group_amax(g), scheme)
         scale = sc.mx_scale_values(codes, scheme)
@@ -75,6 +75,10 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
         ts, codes, mult = sc.nvfp4_scales(g, scheme)
         y = g * mult.unsqueeze(-1)
         scale = sc.nvfp4_scale_values(codes, ts)
+    elif scheme.zero_point == "float":  # float minimum per group: x ~= q * scale + min
+        scale, mins = sc.float_min_params(g, valid, scheme)
+        mins = mins.unsqueeze(-1)
+        y = (g - mins) * sc.reciprocal(scale).unsqueeze(-1)
     elif scheme.symmetric:
         def qdq(gg, s):
             r = _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), fmt)
@@ -101,6 +105,8 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
     if zp is not None:
         r = r - zp
     v = r * scale.unsqueeze(-1)
+    if mins is not None:
+        v = v + mins
     return from_groups(v, scheme, x.shape).to(x.dtype), mask
 
 

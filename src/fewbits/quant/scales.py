@@ -1,5 +1,5 @@
 """Scale choice: absmax, percentile and MSE-optimal scales, MX E8M0 exponents, NVFP4 two-level
-scales, integer zero points, and QLoRA double quantization of the scales.
+scales, integer zero points and float minimums, and QLoRA double quantization of the scales.
 
 Every function here works on a group view: a float32 tensor [rows, groups, group_size] (see
 QuantScheme's layout rule), with a boolean mask of the real (non-padding) entries where padding
@@ -105,6 +105,24 @@ def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequ
         return s, z.to(torch.int64)
     s, z = _mse_search(g, valid, scheme, params, quantize_dequantize)
     return s, z.to(torch.int64)
+
+
+def float_min_params(g: torch.Tensor, valid, scheme: QuantScheme):
+    """(scale, minimum) float32 [rows, groups], both rounded to the scheme's scale format, for
+    an unsigned grid 0..2^b-1 with a float minimum (zero_point="float", GGUF Q4_1 style).
+
+    minimum = the group minimum (not widened to include 0); scale = (max - min) / (2^b - 1),
+    computed in float32 from the unrounded minimum as llama.cpp does. Padding is ignored.
+    """
+    qmax = float(2 ** scheme.format.bits - 1)
+    if not g.shape[-1]:
+        zero = g.new_zeros(g.shape[:-1])
+        return zero, zero.clone()
+    big = torch.tensor(float("inf"))
+    lo = (torch.where(valid, g, big) if valid is not None else g).amin(-1)
+    hi = (torch.where(valid, g, -big) if valid is not None else g).amax(-1)
+    scale = round_scales((hi - lo) / qmax, scheme.scale_format)
+    return scale, round_scales(lo, scheme.scale_format)
 
 
 def _mse_search(g, valid, scheme, candidate, quantize_dequantize):

@@ -26,6 +26,7 @@ from ..formats import FloatFormat, Format, IntFormat, LookupFormat, MODES, get_f
 GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
 SCALE_FORMATS = ("fp32", "fp16", "bf16", "e8m0", "e4m3", "none")
 SCALE_METHODS = ("absmax", "percentile", "mse")
+ZERO_POINTS = ("int", "float")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 DOUBLE_QUANT_BLOCK = 256  # QLoRA: the group scales are quantized to int8 in blocks of 256
 
@@ -52,7 +53,7 @@ class QuantScheme:
         nvfp4 (blocks of 16, E4M3 block scale times a float32 tensor scale).
     axis: the channel axis for "channel" (0: the output channels of an nn.Linear weight).
     group_size: values per scale for group / mx / nvfp4 (default 128 / 32 / 16).
-    symmetric: False for an unsigned integer grid with an integer zero point (integers only).
+    symmetric: False for an unsigned integer grid with a zero point (integers only).
     scale_format: fp32 | fp16 | bf16 | e8m0 | e4m3 | none (plain cast: no scale at all).
     scale_method: absmax | percentile (clip at that percentile of |x| per group) | mse (search
         the clipping ratio that minimizes the squared error per group).
@@ -61,6 +62,11 @@ class QuantScheme:
     double_quant: QLoRA double quantization: the group scales minus their mean are quantized to
         int8 in blocks of 256, each block with a float32 scale.
     activations: for w8a8-style schemes, the dynamic per-token scheme of the activations.
+    zero_point: asymmetric schemes only. "int": an integer zero point on the element grid, the
+        range always containing 0: x ~= (q - zp) * scale. "float": a float minimum per group
+        stored in the scale format (GGUF Q4_1 style): min = the group minimum (not widened to
+        include 0), scale = (max - min) / (2^b - 1), q = round((x - min) * (1 / scale)),
+        x ~= q * scale + min. Float minimums take scale_method "absmax" only.
     """
 
     format: Format | str
@@ -76,6 +82,7 @@ class QuantScheme:
     seed: int = 0
     double_quant: bool = False
     activations: QuantScheme | None = None
+    zero_point: str = "int"
     name: str | None = None
 
     def __post_init__(self):
@@ -126,6 +133,17 @@ class QuantScheme:
                 raise ValueError(f"{g} blocks are symmetric")
             if fmt.bits > 8:
                 raise ValueError("asymmetric formats of more than 8 bits are not supported")
+        if self.zero_point not in ZERO_POINTS:
+            raise ValueError(f"zero_point must be one of {', '.join(ZERO_POINTS)}, got {self.zero_point!r}")
+        if self.zero_point == "float":
+            if self.symmetric:
+                raise ValueError("zero_point='float' (a float minimum per group) needs symmetric=False")
+            if self.scale_format not in ("fp32", "fp16", "bf16"):
+                raise ValueError("zero_point='float' stores the minimums in the scale format: use fp32, fp16 "
+                                 f"or bf16 scales, got {self.scale_format!r}")
+            if self.scale_method != "absmax":
+                raise ValueError("zero_point='float' takes the group minimum and maximum as they are: "
+                                 f"scale_method must be 'absmax', got {self.scale_method!r}")
         if isinstance(fmt, IntFormat) and self.symmetric and not fmt.signed:
             raise ValueError(f"{fmt.name} is unsigned: use a signed format, or symmetric=False for a zero point")
         if fmt.bits > 16:
@@ -159,7 +177,7 @@ class QuantScheme:
         else:
             parts.append("per-tensor")
         if not self.symmetric:
-            parts.append("asym")
+            parts.append("asym float-min" if self.zero_point == "float" else "asym")
         if self.scale_format != "none":
             parts.append(f"{self.scale_format} scales")
         if self.scale_method != "absmax":
@@ -214,7 +232,9 @@ class QuantScheme:
             total += n_scales + 4 * blocks + 4  # int8 codes, fp32 block scales, fp32 offset
         else:
             total += n_scales * _SCALE_BITS[self.scale_format] // 8
-        if not self.symmetric:
+        if self.zero_point == "float":
+            total += n_scales * _SCALE_BITS[self.scale_format] // 8  # minimums in the scale format
+        elif not self.symmetric:
             total += -(-n_scales * self.format.bits // 8)  # zero points packed at element width
         if self.granularity == "nvfp4":
             total += 4  # the float32 tensor scale
@@ -239,7 +259,9 @@ class QuantScheme:
             b += (8 + 32 / DOUBLE_QUANT_BLOCK) / gs
         else:
             b += _SCALE_BITS[self.scale_format] / gs
-        if not self.symmetric:
+        if self.zero_point == "float":
+            b += _SCALE_BITS[self.scale_format] / gs
+        elif not self.symmetric:
             b += self.format.bits / gs
         return b
 
@@ -317,6 +339,9 @@ def _presets() -> dict[str, QuantScheme]:
         S("uint4", "group", group_size=128, symmetric=False, name="int4_asym"),
         S("int4", "group", group_size=32, name="int4_g32"),
         S("uint4", "group", group_size=32, symmetric=False, name="int4_asym_g32"),
+        # GGUF Q4_1: per 32 values an fp16 scale d and an fp16 minimum m, w = d * q + m
+        S("uint4", "group", group_size=32, symmetric=False, scale_format="fp16", zero_point="float",
+          name="q4_1"),
         S("int4", "channel", name="int4_channel"),
         S("int3", "group", group_size=64, name="int3"),
         S("int2", "group", group_size=64, name="int2"),

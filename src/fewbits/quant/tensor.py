@@ -3,6 +3,8 @@
 Dequantization rule (what a QuantizedTensor means):
 - symmetric:   x ~= decode(code) * scale
 - asymmetric:  x ~= (q - zero_point) * scale, q on the unsigned grid 0..2^b-1
+- float-min:   x ~= q * scale + minimum, q on the unsigned grid (zero_point="float", GGUF Q4_1);
+               computed in float32 as two roundings (product, then sum), as gguf-py does
 - MX:          x ~= decode(code) * 2^(e8m0 code - 127)
 - NVFP4:       x ~= decode(code) * (decode_e4m3(block code) * tensor_scale)
 - plain cast (scale_format "none"): x ~= decode(code)
@@ -23,7 +25,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                  "e8m0": torch.uint8, "e4m3": torch.uint8}
 _PACK_ORDER = "low_first"
-STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset")
+STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset", "minimums")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +69,9 @@ def expected_keys(scheme: QuantScheme) -> tuple[str, ...]:
     keys = ["codes"]
     if scheme.scale_format != "none":
         keys += ["dq_codes", "dq_scales", "dq_offset"] if scheme.double_quant else ["scales"]
-        if not scheme.symmetric:
+        if scheme.zero_point == "float":
+            keys.append("minimums")
+        elif not scheme.symmetric:
             keys.append("zero_points")
         if scheme.granularity == "nvfp4":
             keys.append("tensor_scale")
@@ -81,14 +85,16 @@ class QuantizedTensor:
         or int16 bit patterns (16-bit formats), over the padded [rows, padded_cols] matrix.
     scales: [rows, groups] in the scheme's scale format (float tensors for fp32/fp16/bf16,
         uint8 codes for e8m0/e4m3); None for a plain cast.
-    zero_points: packed uint8 zero points at the element width (asymmetric schemes).
+    zero_points: packed uint8 zero points at the element width (asymmetric schemes with
+        integer zero points).
+    minimums: [rows, groups] float minimums in the scale format's dtype (zero_point="float").
     tensor_scale: float32 scalar (NVFP4).
     dq_codes, dq_scales, dq_offset: the double-quantized scales (scales is None then).
     """
 
     def __init__(self, scheme: QuantScheme, shape, dtype: torch.dtype, codes: torch.Tensor,
                  scales=None, zero_points=None, tensor_scale=None, dq_codes=None, dq_scales=None,
-                 dq_offset=None):
+                 dq_offset=None, minimums=None):
         self.scheme = get_scheme(scheme)
         self.shape = torch.Size(shape)
         self.dtype = dtype
@@ -97,6 +103,7 @@ class QuantizedTensor:
         self.zero_points = zero_points
         self.tensor_scale = tensor_scale
         self.dq_codes, self.dq_scales, self.dq_offset = dq_codes, dq_scales, dq_offset
+        self.minimums = minimums
         self._validate()
 
     # --- construction checks (also guard loading from files) --------------------------------
@@ -135,7 +142,9 @@ class QuantizedTensor:
             need("dq_offset", self.dq_offset, (), torch.float32)
         else:
             need("scales", self.scales, (rows, groups), _SCALE_DTYPES[s.scale_format])
-        if not s.symmetric:
+        if s.zero_point == "float":
+            need("minimums", self.minimums, (rows, groups), _SCALE_DTYPES[s.scale_format])
+        elif not s.symmetric:
             need("zero_points", self.zero_points, (-(-n_sc * bits // 8),), torch.uint8)
         if s.granularity == "nvfp4":
             need("tensor_scale", self.tensor_scale, (), torch.float32)
@@ -176,6 +185,10 @@ class QuantizedTensor:
         bits = self.scheme.format.bits
         return unpack(self.zero_points, bits, rows * groups, order=_PACK_ORDER).to(torch.int64).reshape(rows, groups)
 
+    def minimum_values(self) -> torch.Tensor | None:
+        """Float32 minimums [rows, groups] (zero_point="float" schemes), else None."""
+        return self.minimums.to(torch.float32) if self.minimums is not None else None
+
     def scale_values(self) -> torch.Tensor | None:
         """Float32 scales [rows, groups] that multiply the element values (after double-quant)."""
         s = self.scheme
@@ -202,6 +215,9 @@ class QuantizedTensor:
         if zp is not None:
             v = v - zp.unsqueeze(-1).to(torch.float32)
         v = v * self.scale_values().unsqueeze(-1)
+        mins = self.minimum_values()
+        if mins is not None:
+            v = v + mins.unsqueeze(-1)
         return from_groups(v, s, self.shape).to(dtype)
 
     # --- sizes ------------------------------------------------------------------------------
@@ -267,10 +283,10 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
              zero_points: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name).
 
-    scales / zero_points: use these float32 scales (and integer zero points) of shape
-    scheme.scales_shape(x.shape) instead of choosing them (as GPTQ does, group by group); they
-    are rounded to the scheme's scale format. Not for MX/NVFP4, whose scales are fixed by
-    their recipes.
+    scales / zero_points: use these float32 scales (and integer zero points; for
+    zero_point="float" schemes, float minimums) of shape scheme.scales_shape(x.shape) instead
+    of choosing them (as GPTQ does, group by group); scales and minimums are rounded to the
+    scheme's scale format. Not for MX/NVFP4, whose scales are fixed by their recipes.
     """
     scheme = get_scheme(scheme)
     if not isinstance(x, torch.Tensor):
@@ -306,12 +322,24 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
         scale = sc.round_scales(scale, scheme.scale_format)
         y = g * sc.reciprocal(scale).unsqueeze(-1)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
-        if not scheme.symmetric:
+        if scheme.zero_point == "float":
+            mins = _given(zero_points, "zero_points (float minimums)", scheme, x.shape, torch.float32)
+            if not bool(torch.isfinite(mins).all()):
+                raise ValueError("the float minimums (zero_points) must be finite")
+            mins = sc.round_scales(mins, scheme.scale_format)
+            y = (g - mins.unsqueeze(-1)) * sc.reciprocal(scale).unsqueeze(-1)
+            parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
+        elif not scheme.symmetric:
             zp = _given(zero_points, "zero_points", scheme, x.shape, torch.int64)
             if int(zp.min()) < 0 or int(zp.max()) > 2 ** fmt.bits - 1:
                 raise ValueError(f"zero points must lie in 0..{2 ** fmt.bits - 1}")
             y = y + zp.unsqueeze(-1).to(torch.float32)
             parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+    elif scheme.zero_point == "float":
+        scale, mins = sc.float_min_params(g, valid, scheme)
+        y = (g - mins.unsqueeze(-1)) * sc.reciprocal(scale).unsqueeze(-1)
+        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
+        parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
     elif scheme.symmetric:
         def qdq(gg, s):
             return _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), scheme) * s.unsqueeze(-1)

@@ -6,8 +6,8 @@ A Subject is a real model with its own quality measure:
   agreement of their pairwise similarities);
 - SmolLM2-135M (from a Q4_1 GGUF, dequantized to fp32): perplexity on the pydoc eval text.
   Its weights already sit on an asymmetric 4-bit grid with groups of 32 (fp16 scale and fp16
-  minimum per group), which that grid reproduces exactly: no evidence of 4-bit quality. (fewbits'
-  int4_asym_g32 has an integer zero point, another grid, and does not reproduce them);
+  minimum per group), which the q4_1 scheme reproduces bit for bit: no evidence of 4-bit quality
+  (int4_asym_g32, with an integer zero point, is another grid);
 - any Hugging Face model directory: a causal LM by perplexity, anything else by embeddings.
 
 compare() quantizes a fresh copy of the model per scheme and returns one row per scheme with
@@ -29,10 +29,9 @@ from ..quant import get_scheme
 from ..quant.model import model_nbytes, quantize_model, resolve_plan
 
 Q4_1_NOTE = ("SmolLM2's packaged weights are GGUF Q4_1 (asymmetric 4-bit, groups of 32, per group an fp16 "
-             "scale and an fp16 minimum; the tied embedding Q8_0): a scheme with that grid reproduces them "
-             "exactly, so 4-bit results on this model are not evidence of 4-bit quality (MiniLM's genuine "
-             "fp32 weights are). fewbits' int4_asym_g32 uses an integer zero point and a range that holds "
-             "0, a different grid: it does not reproduce them.")
+             "scale and an fp16 minimum; the tied embedding Q8_0): the q4_1 scheme reproduces them bit for "
+             "bit, so 4-bit results on this model are not evidence of 4-bit quality (MiniLM's genuine fp32 "
+             "weights are).")
 
 
 @dataclasses.dataclass
