@@ -53,6 +53,7 @@ def _worker(rank, world, port, configs, out_dir):
                 torch.save({"masters": masters, "losses": losses,
                             "compression": state.compression if state else None},
                            os.path.join(out_dir, f"{policy}-{fmt}-rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (can SIGABRT)
     finally:
         dist.destroy_process_group()
 

@@ -14,6 +14,14 @@ scale that puts its amax at the top of the format's range), packed into bytes (f
 or the bf16/fp16 bit patterns), all-gathered, decoded and averaged in fp32 on every rank in
 rank order — so every rank ends with the same averaged gradient. Error feedback keeps what the
 rounding dropped on this rank and adds it to the next step's bucket.
+
+FSDP2: fully_shard_with_policy(model, policy) shards the model with
+torch.distributed.fsdp.fully_shard and the MixedPrecisionPolicy that matches the policy, and
+returns the policy to build the Engine with (see its docstring):
+
+    engine = Engine(model, optimizer, fully_shard_with_policy(model, "fp8-hybrid"))
+
+(the optimizer is built on model.parameters() after sharding).
 """
 from __future__ import annotations
 
@@ -23,7 +31,9 @@ import torch.distributed as dist
 from ..formats import get_format
 from ..kernels import decode, encode
 from .casts import native_dtype
+from .engine import native_on
 from .fp8 import pow2_scale
+from .policy import Policy
 
 
 class CompressedComm:
@@ -87,3 +97,83 @@ def compressed_allreduce_hook(state: CompressedComm, bucket):  # DDP checks anno
     fut.set_result(buf)
     return fut
 
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after_forward: bool = True):
+    """Shard `model` with FSDP2 (torch.distributed.fsdp.fully_shard) under a fewbits policy and
+    return the Policy to give the Engine built on the sharded model.
+
+        policy = fully_shard_with_policy(model, "fp8-hybrid")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding: DTensor params
+        engine = Engine(model, opt, policy)
+
+    FSDP2 owns the parameters, so it plays the role of the Engine's master/working pair: the
+    sharded fp32 parameters are the masters (the optimizer updates them, each rank its shard),
+    MixedPrecisionPolicy(param_dtype=<policy.weights>) all-gathers them as the bf16 working copy,
+    and gradients are reduce-scattered in fp32 (or in policy.comm when that is bf16/fp16).
+    Modules the policy keeps in fp32 (norms, ...) are sharded as their own units with fp32
+    parameters. The returned policy is the same one with weights="fp32", master=None ("<name>+fsdp2"),
+    so the Engine leaves the (DTensor) parameters alone and only does the rest: the compute dtype,
+    the emulated casts of matmul inputs/outputs/gradients (fp8 and its scaling recipes), fp32
+    modules, telemetry. `units`: further submodules (e.g. transformer blocks) to shard one by one.
+
+    Policies that need the Engine's own copy of the weights are refused (ValueError): no master
+    (bf16-pure*: the update must land in the low-precision weights), a master other than fp32,
+    weights in a format the device cannot store natively (fp16 on a CPU: FSDP2 would all-gather
+    fp32; the forward casts still round matmul inputs, but the stored weights would not be fp16),
+    8-bit optimizer states, a grad_accum other than fp32, a comm format other than fp32/bf16/fp16,
+    and loss scaling (its inf/NaN check would see each rank's gradient shard only).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    pol = Policy.preset(policy) if isinstance(policy, str) else policy
+    if not isinstance(pol, Policy):
+        raise TypeError(f"policy must be a Policy or a preset name, got {type(policy).__name__}")
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    param_dtype = native_on(device, pol.weights)
+    problems = []
+    if pol.master is None and pol.weights != "fp32":
+        problems.append("no master copy (the update would have to land in low-precision weights)")
+    if pol.master is not None and pol.master != "fp32":
+        problems.append(f"master={pol.master} (FSDP2's sharded parameters are the fp32 masters)")
+    if pol.weights != "fp32" and param_dtype is None:
+        problems.append(f"weights={pol.weights} is not a native dtype on {device.type}")
+    if pol.optimizer_states != "fp32":
+        problems.append(f"optimizer_states={pol.optimizer_states}")
+    if pol.grad_accum != "fp32":
+        problems.append(f"grad_accum={pol.grad_accum}")
+    reduce_dtype = native_dtype(pol.comm)
+    if reduce_dtype is None:
+        problems.append(f"comm={pol.comm} (FSDP2 reduces in fp32, bf16 or fp16)")
+    if pol.loss_scaling != "none":
+        problems.append(f"loss_scaling={pol.loss_scaling} (the inf/NaN check would see one rank's shard)")
+    if problems:
+        raise ValueError(f"policy {pol.name!r} under FSDP2: unsupported: " + "; ".join(problems))
+
+    fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for name, m in _outermost_fp32_modules(model, pol):
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh, mp_policy=fp32_mp, reshard_after_forward=reshard_after_forward)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for m in units:
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return pol.replace(name=f"{pol.name}+fsdp2", weights="fp32", master=None)
+
+
+def _outermost_fp32_modules(model, pol):
+    """(name, module) of the modules the policy keeps in fp32 whose parent it does not."""
+    kept: set[str] = set()
+    out = []
+    for name, m in model.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ("" if name else None)
+        if parent is not None and parent in kept:
+            kept.add(name)
+        elif name and pol.keeps_fp32(name, type(m).__name__):
+            kept.add(name)
+            out.append((name, m))
+    return out

@@ -1,0 +1,171 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) under fewbits policies, via
+fully_shard_with_policy: the sharded fp32 parameters are the masters, FSDP2 all-gathers them as
+the bf16 working copy, and the Engine on the sharded model does the emulated casts (fp8).
+Checked against the ordinary single-process Engine: exactly with a world of one (in this
+process), to a tolerance with 2 gloo processes on loopback (each rank its half of the batch)."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from fewbits.train import Engine, Policy
+from fewbits.train.distributed import fully_shard_with_policy
+
+
+# FSDP2 warns that the root's output is a view (the Engine's straight-through cast of the last
+# matmul); the Engine's root hook copies it to fp32 out of place, so nothing in-place touches it.
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _batches(world, steps, per_rank):
+    """Each rank's row indices for every step (rank r draws from generator 100 + r)."""
+    from fewbits.train.tasks import digits_data
+    x, _ = digits_data()
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(world)]
+    return [[torch.randint(0, x.shape[0], (per_rank,), generator=g) for g in gens] for _ in range(steps)]
+
+
+def _train_single(policy, batches, per_rank_backward=False):
+    """The reference: the plain Engine in one process on every rank's rows. per_rank_backward:
+    one backward per rank's rows with its loss halved, accumulated in the Engine's fp32 gradient
+    buffer — the sum FSDP2 reduce-scatters in fp32 and divides by the world size (exact: halving
+    is exact in binary); else one backward over all rows."""
+    from fewbits.train.tasks import digits_data
+    x, y = digits_data()
+    model = _model()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy)
+    losses = []
+    for per_rank in batches:
+        if per_rank_backward:
+            rank_losses = [nn.functional.cross_entropy(model(x[idx]), y[idx]) for idx in per_rank]
+            for loss in rank_losses:
+                engine.backward(loss / len(per_rank))
+            loss = rank_losses[0]  # the loss rank 0 reports
+            engine.step()
+            engine.zero_grad()
+        else:
+            idx = torch.cat(per_rank)  # equal halves: the mean over all rows = the mean of the ranks' means
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            engine.train_step(loss)
+        losses.append(float(loss.detach()))
+    masters = dict(engine.master_parameters())  # low-precision entries first, fp32-kept after
+    return torch.cat([masters[n].reshape(-1).float() for n in sorted(masters)]), losses
+
+
+def _train_sharded(policy, batches, rank, units=False):
+    """fully_shard_with_policy + Engine; returns (gathered fp32 params, losses, what the layers saw,
+    formats of the engine's casts)."""
+    from fewbits.train.tasks import digits_data
+    x, y = digits_data()
+    model = _model()
+    seen = []
+    for m in (model[0], model[1]):
+        # fully_shard renames the class FSDP<name>
+        m.register_forward_hook(lambda mod, a, o: seen.append(
+            (type(mod).__name__.removeprefix("FSDP"), a[0].dtype, mod.weight.dtype)))
+    engine_policy = fully_shard_with_policy(model, policy, units=(model[0], model[3]) if units else ())
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), engine_policy)
+    losses = []
+    for per_rank in batches:
+        idx = per_rank[rank]
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        engine.train_step(loss)
+        losses.append(float(loss.detach()))
+    params = dict(model.named_parameters())
+    full = torch.cat([params[n].detach().full_tensor().reshape(-1).float() for n in sorted(params)])
+    formats = sorted({(k[-1], s.fmt.name) for k, s in engine.slots.items()})
+    return full, losses, sorted(set(seen), key=str), formats
+
+
+def test_one_process_matches_plain_engine_exactly(tmp_path):
+    """A world of one: FSDP2's bf16 all-gather + fp32 reduce is the Engine's bf16 working copy +
+    fp32 gradient buffer, so the two trainings agree to the bit (bf16-mixed and fp8-hybrid)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        batches = _batches(1, 6, 32)
+        for policy, units in (("bf16-mixed", False), ("fp8-hybrid", True)):
+            full, losses, seen, formats = _train_sharded(policy, batches, 0, units)
+            ref, ref_losses = _train_single(policy, batches)
+            assert torch.equal(full, ref), (policy, float((full - ref).abs().max()))
+            assert losses == ref_losses
+            assert ("Linear", torch.bfloat16, torch.bfloat16) in seen  # bf16 compute
+            assert ("LayerNorm", torch.float32, torch.float32) in seen  # kept in fp32
+        assert formats == [("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")]
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, port, policies, steps, out_dir):
+    import torch.distributed as dist
+
+    import fewbits as fb
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        with fb.use_backend("eager"):
+            batches = _batches(world, steps, 64)
+            for i, policy in enumerate(policies):
+                full, losses, seen, formats = _train_sharded(policy, batches, rank)
+                torch.save({"full": full, "losses": losses, "seen": seen, "formats": formats},
+                           os.path.join(out_dir, f"{i}-rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+STEPS = 25
+# (policy, largest |sharded - reference| allowed after STEPS AdamW steps, weights up to ~1.25).
+# Stateless casts are exact against one backward per rank's rows; delayed fp8 scaling keeps an amax
+# history per rank (each sees its own activations) where the reference keeps one for both halves.
+CASES = [("bf16-mixed", 0.0), (Policy.preset("fp8-hybrid").replace(name="fp8-current", fp8_recipe="current"), 0.0),
+         ("fp8-hybrid", 0.03)]
+
+
+@pytest.mark.slow  # two processes importing torch: ~15 s on 2 busy cores
+def test_fsdp2_two_gloo_processes(tmp_path):
+    policies = [p for p, _ in CASES]
+    mp.spawn(_worker, args=(2, _free_port(), policies, STEPS, str(tmp_path)), nprocs=2, join=True)
+    batches = _batches(2, STEPS, 64)
+    for i, (policy, tol) in enumerate(CASES):
+        r0, r1 = (torch.load(tmp_path / f"{i}-rank{r}.pt") for r in range(2))
+        assert torch.equal(r0["full"], r1["full"]), policy  # one model, whichever rank gathers it
+        for r in (r0, r1):
+            assert sum(r["losses"][-5:]) / 5 < 0.8 * r["losses"][0], (policy, r["losses"])
+            assert ("Linear", torch.bfloat16, torch.bfloat16) in r["seen"]  # bf16 all-gather and compute
+            assert ("LayerNorm", torch.float32, torch.float32) in r["seen"]  # its own fp32 unit
+        assert r0["formats"] == ([] if policy == "bf16-mixed" else [("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")])
+        ref, ref_losses = _train_single(policy, batches, per_rank_backward=True)
+        diff = float((r0["full"] - ref).abs().max())
+        assert diff <= tol, (policy, diff)
+        if tol == 0.0:
+            assert r0["losses"] == ref_losses  # rank 0's loss: the reference's first half
+        # one backward over the whole batch: bf16 rounds the sum of 128 rows' gradients, not two of 64
+        whole, _ = _train_single(policy, batches)
+        assert float((r0["full"] - whole).abs().max()) < 0.1
+
+
+def test_unsupported_policies_raise():
+    for policy, what in (("bf16-pure", "no master"), ("fp16-mixed", "loss_scaling"),
+                         ("bf16-mixed-8bit-adam", "optimizer_states")):
+        with pytest.raises(ValueError, match=what):
+            fully_shard_with_policy(_model(), policy)
+    with pytest.raises(TypeError, match="policy"):
+        fully_shard_with_policy(_model(), 3)
