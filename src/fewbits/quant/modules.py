@@ -298,7 +298,29 @@ def _rescaled(y: torch.Tensor, act_scales: torch.Tensor, bias: torch.Tensor | No
 # ---------------------------------------------------------------------------------------------
 # QuantLinear
 # ---------------------------------------------------------------------------------------------
-class QuantLinear(nn.Module):
+class _QuantizedWeightViews:
+    """What both quantized modules expose of the QuantizedTensor they hold in `_qweight`."""
+
+    @property
+    def qweight(self) -> QuantizedTensor:
+        return self._qweight
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return self._qweight.scheme
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._qweight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the weight (codes, scales, zero points, kernel-side tensors); a float
+        bias is not included."""
+        return self._qweight.nbytes
+
+
+class QuantLinear(_QuantizedWeightViews, nn.Module):
     """nn.Linear with a quantized weight (see the module docstring for the kernels).
 
     QuantLinear.from_linear(linear, scheme) quantizes a float layer; QuantLinear(qweight, bias)
@@ -428,25 +450,6 @@ class QuantLinear(nn.Module):
                                      codes_from_kernel=functools.partial(_codes_from_int4pack, n, k_op, code_cols,
                                                                          symmetric))
 
-    # --- views --------------------------------------------------------------------------------
-    @property
-    def qweight(self) -> QuantizedTensor:
-        return self._qweight
-
-    @property
-    def scheme(self) -> QuantScheme:
-        return self._qweight.scheme
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._qweight.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for the weight (codes, scales, zero points, kernel-side tensors); the
-        float bias is not included."""
-        return self._qweight.nbytes
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scheme={self.scheme.label!r}, kernel={self.kernel!r}, nbytes={self.nbytes}")
@@ -550,7 +553,7 @@ class QuantLinear(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # QuantEmbedding
 # ---------------------------------------------------------------------------------------------
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(_QuantizedWeightViews, nn.Module):
     """nn.Embedding with a quantized table: a lookup decodes only the rows it reads.
 
     QuantEmbedding.from_embedding(embedding, scheme) quantizes a float table;
@@ -592,22 +595,6 @@ class QuantEmbedding(nn.Module):
                 raise ValueError("an embedding with max_norm renormalizes its rows in place; a quantized table cannot")
             padding_idx = embedding.padding_idx
         return cls(qweight, padding_idx)
-
-    @property
-    def qweight(self) -> QuantizedTensor:
-        return self._qweight
-
-    @property
-    def scheme(self) -> QuantScheme:
-        return self._qweight.scheme
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._qweight.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self._qweight.nbytes
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
