@@ -10,6 +10,7 @@ if _HERE not in sys.path:
 import pytest  # noqa: E402
 
 import fewbits as fb  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
@@ -18,3 +19,13 @@ def eager_kernels():
     compile; they are compared with the reference in test_round_exact.py."""
     with fb.use_backend("eager"):
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: tiny matrices gain nothing from threads, and threads fighting over
+    2 shared cores cost 10x and more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1152,13 +1152,7 @@ def measure_training_step(model: nn.Module, inputs: dict, policy="fp32", *, opti
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     prec = resolve_precision(policy=policy, mode="training", runtime="torch") if not isinstance(policy, Precision) \
         else policy
-    if prec.autocast:
-        model.to(torch.float32)
-        ac_dtype = _native_dtype(prec.compute_format)
-        autocast = lambda: torch.autocast(dev.type, dtype=ac_dtype)  # noqa: E731
-    else:
-        model.to(_native_dtype(prec.weight_format))
-        autocast = contextlib.nullcontext
+    autocast = _place_for_precision(model, prec, dev)
     model.train()
     opt = _make_optimizer(opt_name, model.parameters(), lr)
 
@@ -1177,6 +1171,17 @@ def measure_training_step(model: nn.Module, inputs: dict, policy="fp32", *, opti
     return measured
 
 
+def _place_for_precision(model: nn.Module, prec, dev):
+    """Cast the model's weights as the precision runs them (fp32 under autocast for mixed
+    policies, else the weight format) and return the context factory its forward runs in."""
+    if prec.autocast:
+        model.to(torch.float32)
+        ac_dtype = _native_dtype(prec.compute_format)
+        return lambda: torch.autocast(dev.type, dtype=ac_dtype)
+    model.to(_native_dtype(prec.weight_format))
+    return contextlib.nullcontext
+
+
 def measure_inference(model: nn.Module, inputs: dict, scheme=None, policy=None):
     """Measured peak memory of a no_grad forward of `model` on `inputs` with its weights in a
     native format (`scheme` fp32/bf16/fp16) or under a policy (mixed: autocast). Returns
@@ -1188,13 +1193,7 @@ def measure_inference(model: nn.Module, inputs: dict, scheme=None, policy=None):
         raise ValueError("measure_inference runs native dtypes only (fp32, bf16, fp16); quantized models "
                          "are measured with measure_peak_memory around their own forward")
     model.eval()
-    if prec.autocast:
-        model.to(torch.float32)
-        ac_dtype = _native_dtype(prec.compute_format)
-        autocast = lambda: torch.autocast(dev.type, dtype=ac_dtype)  # noqa: E731
-    else:
-        model.to(_native_dtype(prec.weight_format))
-        autocast = contextlib.nullcontext
+    autocast = _place_for_precision(model, prec, dev)
 
     def forward():
         with torch.no_grad(), autocast():

@@ -36,13 +36,7 @@ EXTRA_SCHEMES = [
 ALL_SCHEMES = [get_scheme(s) for s in list_schemes()] + EXTRA_SCHEMES
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matrices gain nothing from threads, and threads fighting over 2 shared cores cost 10x+
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

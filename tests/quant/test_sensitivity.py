@@ -19,13 +19,7 @@ from fewbits.quant.sensitivity import (FLOAT, LayerInfo, SensitivityRecord, Sens
                                        layer_sensitivity, solve_knapsack, sqnr_db, uniform_allocation)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matrices gain nothing from threads, and threads fighting over 2 shared cores cost 10x+
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the knapsack ---------------------------------------------------------------------------
