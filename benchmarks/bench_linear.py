@@ -9,6 +9,9 @@ more than the caches, as in a real model) runs at batch 1 and batch 64 in each v
                     activations, prepacked int8 weights
   w8a8              fewbits "w8a8": int8 per-channel weights, dynamic per-token int8
                     activations (oneDNN prepacked int8 GEMM, exact int32 accumulation)
+  w8a8 torch ops    the same, with the activation quantization and rescale as torch ops instead
+                    of fewbits' fused C kernels (fewbits.kernels.native; what runs without a C
+                    compiler)
   w8a8 _int_mm      the same scheme through torch._int_mm (the fallback without oneDNN)
   int8              int8 per-channel weight-only (aten._weight_int8pack_mm, bf16 activations)
   int4 g128 / g32   int4 weight-only, groups of 128 / 32 (aten._weight_int4pack_mm_for_cpu)
@@ -46,12 +49,14 @@ import warnings
 import torch
 from torch import nn
 
+from fewbits.kernels import native
 from fewbits.quant.modules import QuantLinear
 
 VARIANTS = [  # (label, fewbits scheme or None, forced kernel or None)
     ("fp32", None, None),
     ("quantize_dynamic", None, None),
     ("w8a8", "w8a8", None),
+    ("w8a8 torch ops", "w8a8", "torch-ops"),
     ("w8a8 _int_mm", "w8a8", "w8a8_int_mm"),
     ("int8", "int8", None),
     ("int4 g128", "int4", None),
@@ -71,8 +76,20 @@ def build(fp32: nn.Sequential, label: str, scheme, kernel):
             q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8)
         # fbgemm holds one prepacked int8 copy of each weight (plus per-tensor scale/zero point)
         return q, sum(m.weight.numel() for m in fp32), "fbgemm"
+    if kernel == "torch-ops":
+        layers = [QuantLinear.from_linear(m, scheme) for m in fp32]
+        return _TorchOps(*layers), sum(m.nbytes for m in layers), layers[0].kernel
     layers = [QuantLinear.from_linear(m, scheme, kernel=kernel or "auto") for m in fp32]
     return nn.Sequential(*layers), sum(m.nbytes for m in layers), layers[0].kernel
+
+
+class _TorchOps(nn.Sequential):
+    """The stack with fewbits' fused C kernels turned off: the steps around the GEMM (activation
+    quantization, rescale) run as torch ops, as where no C compiler is found."""
+
+    def forward(self, x):
+        with native.turned_off():
+            return super().forward(x)
 
 
 def main(argv=None) -> int:

@@ -547,7 +547,8 @@ def _bench_text(res) -> str:
     m, bw = res.machine, res.bandwidth
     flags = ", ".join(m.get("matmul_flags", [])) or "—"
     lines = [f"this machine: {m['name']}; {m['threads']} threads; torch {m['torch']}"
-             + (f"; {m['cpu_capability']} ({flags})" if "cpu_capability" in m else ""),
+             + (f"; {m['cpu_capability']} ({flags})" if "cpu_capability" in m else "")
+             + (f"; fused C kernels: {m['native_kernels']}" if "native_kernels" in m else ""),
              f"memory bandwidth: {bw.copy_gbs:.3g} GB/s copy (read + write of a {bw.buffer_bytes / 2 ** 20:.0f} MiB "
              f"buffer), {bw.read_gbs:.3g} GB/s read (sum)", ""]
     rows = [[d, s.kernel or "—", s.n or "—", f"{s.gflops:.3g}" if s.available else "—",

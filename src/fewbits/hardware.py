@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .kernels import native
+
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 # bytes of one input and one output element of each matmul kind
 INPUT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
@@ -386,6 +388,8 @@ def machine_info(device: str = "cpu") -> dict:
     info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_fp16")
     info["matmul_flags"] = [f for f in wanted if f in _cpu_flags()]
+    st = native.status()
+    info["native_kernels"] = "yes" if st["available"] else f"no ({st['reason']})"
     return info
 
 

@@ -175,11 +175,11 @@ class _Grid:
         return fb_round(y, self.fmt, mode="nearest_even", overflow="saturate")
 
     def _qdq_symmetric(self, view, scale):
-        return self._round_nearest(view * sc.reciprocal(scale).unsqueeze(-1)) * scale.unsqueeze(-1)
+        return self._round_nearest(sc.times_reciprocal(view, scale)) * scale.unsqueeze(-1)
 
     def _qdq_asymmetric(self, view, scale_zero):
         scale, zero = scale_zero
-        q = self._round_nearest(view * sc.reciprocal(scale).unsqueeze(-1) + zero.unsqueeze(-1))
+        q = self._round_nearest(sc.times_reciprocal(view, scale) + zero.unsqueeze(-1))
         return (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
 
     # --- rounding ------------------------------------------------------------------------------

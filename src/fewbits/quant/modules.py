@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import IntFormat, get_format
+from ..kernels import native
 from . import lowbit_ops as ops
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
@@ -289,7 +290,11 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
 
 
 def _rescaled(y: torch.Tensor, act_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-    """float32 y * act_scales (+ bias) in `dtype` (one pass when there is a float32 bias)."""
+    """float32 y * act_scales (+ bias) in `dtype` (one pass when there is a float32 bias): the
+    product and the bias added with one rounding (an FMA, as torch.addcmul does on this CPU)."""
+    lib = native.library() if y.device.type == "cpu" and y.stride(-1) == 1 else None
+    if lib is not None and (bias is None or bias.dtype == torch.float32):
+        return native.scale_rows_(lib, y, act_scales, bias).to(dtype)
     if bias is not None and bias.dtype == torch.float32:  # in place: no second output buffer
         return torch.addcmul(bias, y, act_scales, out=y).to(dtype)
     return _with_bias(y.mul_(act_scales), bias, dtype)
@@ -510,9 +515,10 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
     def _activations(self, x2d, offset: bool):
         a = self.scheme.activations
         with ops.one_thread_if_small(x2d.numel()):
+            fp32 = a.scale_format == "fp32"
             return ops.quantize_rows_int8(x2d, a.granularity == "channel",
-                                          lambda v: sc.round_scales(v, a.scale_format),
-                                          saturate=a.scale_format != "fp32", offset=offset)
+                                          None if fp32 else lambda v: sc.round_scales(v, a.scale_format),
+                                          saturate=not fp32, offset=offset)
 
     def _forward_w8a8_onednn(self, x2d, bias, dtype):
         q_u8, sx = self._activations(x2d, offset=True)

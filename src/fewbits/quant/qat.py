@@ -78,23 +78,23 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
     elif scheme.zero_point == "float":  # float minimum per group: x ~= q * scale + min
         scale, mins = sc.float_min_params(g, valid, scheme)
         mins = mins.unsqueeze(-1)
-        y = (g - mins) * sc.reciprocal(scale).unsqueeze(-1)
+        y = sc.times_reciprocal(g - mins, scale)
     elif scheme.symmetric:
         def qdq(gg, s):
-            r = _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), fmt)
+            r = _round_elements(sc.times_reciprocal(gg, s), fmt)
             return r * s.unsqueeze(-1)
 
         scale = sc.symmetric_scales(g, valid, scheme, qdq)
-        y = g * sc.reciprocal(scale).unsqueeze(-1)
+        y = sc.times_reciprocal(g, scale)
     else:
         def qdq(gg, sz):
             s, z = sz
-            r = _round_elements(gg * sc.reciprocal(s).unsqueeze(-1) + z.unsqueeze(-1), fmt)
+            r = _round_elements(sc.times_reciprocal(gg, s) + z.unsqueeze(-1), fmt)
             return (r - z.unsqueeze(-1)) * s.unsqueeze(-1)
 
         scale, zp = sc.asymmetric_params(g, valid, scheme, qdq)
         zp = zp.to(torch.float32).unsqueeze(-1)
-        y = g * sc.reciprocal(scale).unsqueeze(-1) + zp
+        y = sc.times_reciprocal(g, scale) + zp
     if scheme.double_quant:  # the elements were scaled by the exact scales, stored ones are approximate
         scale = sc.double_dequantize(*sc.double_quantize(scale.to(torch.float32))).reshape(scale.shape)
     mask = None

@@ -58,6 +58,16 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return 1.0 / torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
+def times_reciprocal(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """g [..., n] * reciprocal(scale)[..., None]: the arithmetic every quantizer here uses. A
+    scale below 2^-128 has an infinite reciprocal; 0 times it is read as 0 (0 / scale), not NaN."""
+    r = reciprocal(scale).unsqueeze(-1)
+    y = g * r
+    if bool(torch.isinf(r).any()):
+        y = torch.where(g == 0, torch.zeros_like(y), y)
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # symmetric and asymmetric scales
 # ---------------------------------------------------------------------------------------------

@@ -320,14 +320,14 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     elif scales is not None:
         scale = _given(scales, "scales", scheme, x.shape, torch.float32)
         scale = sc.round_scales(scale, scheme.scale_format)
-        y = g * sc.reciprocal(scale).unsqueeze(-1)
+        y = sc.times_reciprocal(g, scale)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
         if scheme.zero_point == "float":
             mins = _given(zero_points, "zero_points (float minimums)", scheme, x.shape, torch.float32)
             if not bool(torch.isfinite(mins).all()):
                 raise ValueError("the float minimums (zero_points) must be finite")
             mins = sc.round_scales(mins, scheme.scale_format)
-            y = (g - mins.unsqueeze(-1)) * sc.reciprocal(scale).unsqueeze(-1)
+            y = sc.times_reciprocal(g - mins.unsqueeze(-1), scale)
             parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
         elif not scheme.symmetric:
             zp = _given(zero_points, "zero_points", scheme, x.shape, torch.int64)
@@ -337,24 +337,24 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
             parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
     elif scheme.zero_point == "float":
         scale, mins = sc.float_min_params(g, valid, scheme)
-        y = (g - mins.unsqueeze(-1)) * sc.reciprocal(scale).unsqueeze(-1)
+        y = sc.times_reciprocal(g - mins.unsqueeze(-1), scale)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
         parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
     elif scheme.symmetric:
         def qdq(gg, s):
-            return _round_elements(gg * sc.reciprocal(s).unsqueeze(-1), scheme) * s.unsqueeze(-1)
+            return _round_elements(sc.times_reciprocal(gg, s), scheme) * s.unsqueeze(-1)
 
         scale = sc.symmetric_scales(g, valid, scheme, qdq)
-        y = g * sc.reciprocal(scale).unsqueeze(-1)
+        y = sc.times_reciprocal(g, scale)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
     else:
         def qdq(gg, sz):
             s, z = sz
-            q = _round_elements(gg * sc.reciprocal(s).unsqueeze(-1) + z.unsqueeze(-1), scheme)
+            q = _round_elements(sc.times_reciprocal(gg, s) + z.unsqueeze(-1), scheme)
             return (q - z.unsqueeze(-1)) * s.unsqueeze(-1)
 
         scale, zp = sc.asymmetric_params(g, valid, scheme, qdq)
-        y = g * sc.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1).to(torch.float32)
+        y = sc.times_reciprocal(g, scale) + zp.unsqueeze(-1).to(torch.float32)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
         parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
     codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)

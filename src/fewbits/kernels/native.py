@@ -1,0 +1,214 @@
+"""Small C kernels for hot loops that torch has no fused op for, built on first use.
+
+torch runs one pass over memory per op, so a computation of six elementwise steps reads and
+writes its data six times; torch.compile fuses them, but on this CPU its generated code for a
+row reduction and a float -> int8 conversion runs ~4x slower than a plain C loop (measured in
+benchmarks/bench_linear.py's notes). The C source lives in `csrc/`; the first call compiles it
+with the machine's C compiler (`$CC`, else cc) for this CPU into a cache directory and loads it
+with ctypes. Where there is no compiler, the build fails or FEWBITS_NATIVE=0 is set,
+`library()` is None and every caller keeps its torch path -- the reference the C kernels are
+tested against bit for bit.
+
+Cache: $FEWBITS_CACHE, else $XDG_CACHE_HOME/fewbits, else ~/.cache/fewbits; the file name
+hashes the source, the compiler's version, the flags and the CPU's feature flags, so a
+changed source or another machine sharing the directory builds its own copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCES = ("rowquant.c",)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the CDLL or None, "reason": why not, "path": the built file
+_local = threading.local()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("FEWBITS_CACHE"):
+        return Path(os.environ["FEWBITS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fewbits"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
+
+
+def _build(cc: str) -> Path:
+    src_dir = Path(__file__).with_name("csrc")
+    sources = [src_dir / s for s in SOURCES]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in sources), version.encode(), " ".join(CFLAGS).encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):
+        h.update(part)
+        h.update(b"\0")
+    out_dir = _cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"fewbits_native_{h.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    # build beside the target, then rename: a concurrent process never loads a partial file
+    fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"],
+                           capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.fb_row_absmax.argtypes = [p, i64, i64, i64, p]
+    lib.fb_row_absmax.restype = i64
+    lib.fb_row_int8_scales.argtypes = [p, i64, i64, i64, p, p]
+    lib.fb_row_int8_scales.restype = i64
+    lib.fb_quantize_rows_int8.argtypes = [p, i64, i64, i64, p, i64, p, i32]
+    lib.fb_quantize_rows_int8.restype = None
+    lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
+    lib.fb_scale_rows.restype = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, built on the first call; None when it cannot be had (see
+    `status()` for why; inside `turned_off()`, None)."""
+    if getattr(_local, "off", False):
+        return None
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib, reason, path = None, "", None
+        if os.environ.get("FEWBITS_NATIVE", "1").lower() in ("0", "off", "false", "no"):
+            reason = "turned off by FEWBITS_NATIVE=0"
+        elif (cc := _compiler()) is None:
+            reason = "no C compiler found (set CC)"
+        else:
+            try:
+                path = _build(cc)
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                reason = f"built with {os.path.basename(cc)}"
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                lib, reason = None, f"build failed: {e}"
+        _state.update(lib=lib, reason=reason, path=path)
+        return lib
+
+
+@contextlib.contextmanager
+def turned_off():
+    """Inside the block (in this thread) library() is None, so callers take their torch paths:
+    for measuring what the C kernels gain, and for tests."""
+    before = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = before
+
+
+def status() -> dict:
+    """{'available': bool, 'reason': str, 'path': str | None} (builds the library if needed)."""
+    lib = library()
+    if getattr(_local, "off", False):
+        return {"available": False, "reason": "turned off in this thread by native.turned_off()", "path": None}
+    return {"available": lib is not None, "reason": _state.get("reason", ""),
+            "path": str(_state["path"]) if _state.get("path") else None}
+
+
+def reset() -> None:
+    """Forget the loaded library (the next call builds or loads it again); for tests."""
+    with _lock:
+        _state.clear()
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"native row kernels take a CPU float32 matrix with unit column stride, "
+                         f"got {x.dtype} {x.device} shape {tuple(x.shape)} strides {x.stride()}")
+
+
+def row_absmax(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(max |x| per row as float32 [rows], number of rows holding NaN or inf) for a float32
+    matrix with unit column stride."""
+    _check_rows(x)
+    m, k = x.shape
+    amax = torch.empty(m, dtype=torch.float32)
+    bad = lib.fb_row_absmax(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, amax.data_ptr())
+    return amax, int(bad)
+
+
+def row_int8_scales(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(scale = amax / 127, recip = 1 / scale with 0 read as 1, both float32 [rows], number of
+    rows holding NaN or inf) for a float32 matrix with unit column stride."""
+    _check_rows(x)
+    m, k = x.shape
+    scale, recip = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
+    bad = lib.fb_row_int8_scales(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, scale.data_ptr(),
+                                 recip.data_ptr())
+    return scale, recip, int(bad)
+
+
+def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor, recip: torch.Tensor, offset: bool) -> torch.Tensor:
+    """clamp(round_half_even(x * recip[row]), -128, 127) as int8 [rows, k], or as uint8 + 128
+    with `offset`; recip is float32 with one value per row or a single value."""
+    _check_rows(x)
+    m, k = x.shape
+    recip = recip.to(torch.float32).contiguous()
+    if recip.numel() not in (1, m):
+        raise ValueError(f"recip needs 1 or {m} values, got {recip.numel()}")
+    q = torch.empty(m, k, dtype=torch.uint8 if offset else torch.int8)
+    lib.fb_quantize_rows_int8(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, recip.data_ptr(),
+                              1 if recip.numel() == m and m > 1 else 0, q.data_ptr(), 1 if offset else 0)
+    return q
+
+
+def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[i, j] = fma(y[i, j], row_scales[i], bias[j]) in place (y * row_scales[i] without a
+    bias); y float32 with unit column stride, row_scales and bias float32. Returns y."""
+    _check_rows(y)
+    m, n = y.shape
+    row_scales = row_scales.reshape(-1).to(torch.float32).contiguous()
+    if row_scales.numel() != m:
+        raise ValueError(f"row_scales needs {m} values, got {row_scales.numel()}")
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.shape != (n,):
+            raise ValueError(f"bias must be float32 of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
+        bias = bias.contiguous()
+    lib.fb_scale_rows(y.data_ptr(), m, n, y.stride(0) if m > 1 else n, row_scales.data_ptr(),
+                      bias.data_ptr() if bias is not None else None)
+    return y
