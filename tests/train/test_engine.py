@@ -120,6 +120,32 @@ def test_norms_stay_fp32_and_tied_weights_share_one_copy():
     assert eng2.train_step(model(torch.tensor([1, 2, 3])).float().logsumexp(-1).mean())
 
 
+class _OwnNorm(nn.LayerNorm):
+    def forward(self, x):
+        assert x.dtype == torch.float32  # a forward of its own: fed fp32 as every fp32-kept module
+        return super().forward(x)
+
+
+def test_layernorm_takes_bf16_input_as_is_on_cpu():
+    """torch's CPU LayerNorm computes in fp32 from a bf16 input with its fp32 weights: the Engine
+    skips the casts around it, with results equal to the casts' up to the order of the sums;
+    a subclass with a forward of its own still gets its input cast to fp32."""
+    torch.manual_seed(0)
+    net = TinyNormNet()
+    seen = []
+    net.norm.register_forward_hook(lambda m, a, o: seen.append((a[0].dtype, o.dtype)))
+    Engine(net, torch.optim.SGD(net.parameters(), lr=0.1), "bf16-mixed")
+    x = torch.randn(64, 16) * 3
+    y = net(x)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and net.norm.weight.dtype == torch.float32
+    h = net.fc(x.bfloat16())
+    via_fp32 = net.head(nn.functional.layer_norm(h.float(), (16,), net.norm.weight, net.norm.bias).bfloat16())
+    torch.testing.assert_close(y, via_fp32.float(), atol=2e-2, rtol=1e-2)
+    own = nn.Sequential(nn.Linear(16, 16), _OwnNorm(16), nn.Linear(16, 4))
+    Engine(own, torch.optim.SGD(own.parameters(), lr=0.1), "bf16-mixed")
+    own(x)
+
+
 def test_fp16_emulated_values_are_fp16():
     model = mlp()
     eng = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16-mixed")

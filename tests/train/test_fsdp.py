@@ -105,7 +105,7 @@ def test_one_process_matches_plain_engine_exactly(tmp_path):
             assert torch.equal(full, ref), (policy, float((full - ref).abs().max()))
             assert losses == ref_losses
             assert ("Linear", torch.bfloat16, torch.bfloat16) in seen  # bf16 compute
-            assert ("LayerNorm", torch.float32, torch.float32) in seen  # kept in fp32
+            assert ("LayerNorm", torch.bfloat16, torch.float32) in seen  # fp32 weights, bf16 input as it is
         assert formats == [("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")]
     finally:
         dist.destroy_process_group()
@@ -150,7 +150,7 @@ def test_fsdp2_two_gloo_processes(tmp_path):
         for r in (r0, r1):
             assert sum(r["losses"][-5:]) / 5 < 0.8 * r["losses"][0], (policy, r["losses"])
             assert ("Linear", torch.bfloat16, torch.bfloat16) in r["seen"]  # bf16 all-gather and compute
-            assert ("LayerNorm", torch.float32, torch.float32) in r["seen"]  # its own fp32 unit
+            assert ("LayerNorm", torch.bfloat16, torch.float32) in r["seen"]  # its own fp32 unit, bf16 input
         assert r0["formats"] == ([] if policy == "bf16-mixed" else [("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")])
         ref, ref_losses = _train_single(policy, batches, per_rank_backward=True)
         diff = float((r0["full"] - ref).abs().max())

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..formats import get_format
 from ..kernels import decode, encode
 from .casts import native_dtype
-from .engine import native_on
+from .engine import native_on, takes_bf16_input
 from .fp8 import pow2_scale
 from .policy import Policy
 
@@ -154,9 +154,12 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
     if problems:
         raise ValueError(f"policy {pol.name!r} under FSDP2: unsupported: " + "; ".join(problems))
 
-    fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for name, m in _outermost_fp32_modules(model, pol):
         if any(True for _ in m.parameters()):
+            # as in the Engine: a bf16 input goes in as it is where the module computes in fp32
+            keep_input = param_dtype == torch.bfloat16 and takes_bf16_input(m, device)
+            fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                           cast_forward_inputs=not keep_input)
             fully_shard(m, mesh=mesh, mp_policy=fp32_mp, reshard_after_forward=reshard_after_forward)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for m in units:
