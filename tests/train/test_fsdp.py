@@ -126,9 +126,28 @@ def _worker(rank, world, port, policies, steps, out_dir):
                 full, losses, seen, formats = _train_sharded(policy, batches, rank)
                 torch.save({"full": full, "losses": losses, "seen": seen, "formats": formats},
                            os.path.join(out_dir, f"{i}-rank{rank}.pt"))
+        torch.save(_scaler_verdicts(rank, world), os.path.join(out_dir, f"scaler-rank{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+
+
+def _scaler_verdicts(rank, world):
+    """LossScaler.unscale_ on a sharded gradient whose only inf lies in rank 1's shard: every rank
+    must report the overflow (and none when there is none); the finite shards are unscaled."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fewbits.train.scaler import LossScaler
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for poison in (False, True):
+        local = torch.full((4,), 8.0)
+        if poison and rank == 1:
+            local[2] = float("inf")
+        grad = DTensor.from_local(local, mesh, [Shard(0)])
+        out.append((LossScaler("static", init_scale=4.0).unscale_([grad]), float(grad.to_local()[0])))
+    return out
 
 
 STEPS = 25
@@ -136,7 +155,9 @@ STEPS = 25
 # Stateless casts are exact against one backward per rank's rows; delayed fp8 scaling keeps an amax
 # history per rank (each sees its own activations) where the reference keeps one for both halves.
 CASES = [("bf16-mixed", 0.0), (Policy.preset("fp8-hybrid").replace(name="fp8-current", fp8_recipe="current"), 0.0),
-         ("fp8-hybrid", 0.03)]
+         ("fp8-hybrid", 0.03),
+         # dynamic loss scaling (growing every 5 steps): scaling by powers of two is exact
+         (Policy.preset("bf16-mixed").replace(name="bf16-scaled", loss_scaling="dynamic", growth_interval=5), 0.0)]
 
 
 @pytest.mark.slow  # two processes importing torch: ~15 s on 2 busy cores
@@ -151,7 +172,8 @@ def test_fsdp2_two_gloo_processes(tmp_path):
             assert sum(r["losses"][-5:]) / 5 < 0.8 * r["losses"][0], (policy, r["losses"])
             assert ("Linear", torch.bfloat16, torch.bfloat16) in r["seen"]  # bf16 all-gather and compute
             assert ("LayerNorm", torch.bfloat16, torch.float32) in r["seen"]  # its own fp32 unit, bf16 input
-        assert r0["formats"] == ([] if policy == "bf16-mixed" else [("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")])
+        fp8 = "fp8" in (policy if isinstance(policy, str) else policy.name)
+        assert r0["formats"] == ([("backward", "fp8_e5m2"), ("forward", "fp8_e4m3")] if fp8 else [])
         ref, ref_losses = _train_single(policy, batches, per_rank_backward=True)
         diff = float((r0["full"] - ref).abs().max())
         assert diff <= tol, (policy, diff)
@@ -160,10 +182,12 @@ def test_fsdp2_two_gloo_processes(tmp_path):
         # one backward over the whole batch: bf16 rounds the sum of 128 rows' gradients, not two of 64
         whole, _ = _train_single(policy, batches)
         assert float((r0["full"] - whole).abs().max()) < 0.1
+    for r in range(2):  # the ranks agree on an overflow seen in one rank's shard only
+        assert torch.load(tmp_path / f"scaler-rank{r}.pt") == [(False, 2.0), (True, 2.0)]
 
 
 def test_unsupported_policies_raise():
-    for policy, what in (("bf16-pure", "no master"), ("fp16-mixed", "loss_scaling"),
+    for policy, what in (("bf16-pure", "no master"), ("fp16-mixed", "weights=fp16 is not a native dtype"),
                          ("bf16-mixed-8bit-adam", "optimizer_states")):
         with pytest.raises(ValueError, match=what):
             fully_shard_with_policy(_model(), policy)

@@ -124,8 +124,9 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
     (bf16-pure*: the update must land in the low-precision weights), a master other than fp32,
     weights in a format the device cannot store natively (fp16 on a CPU: FSDP2 would all-gather
     fp32; the forward casts still round matmul inputs, but the stored weights would not be fp16),
-    8-bit optimizer states, a grad_accum other than fp32, a comm format other than fp32/bf16/fp16,
-    and loss scaling (its inf/NaN check would see each rank's gradient shard only).
+    8-bit optimizer states, a grad_accum other than fp32, and a comm format other than
+    fp32/bf16/fp16. Loss scaling works: each rank checks its gradient shards for inf/NaN and the
+    ranks agree on the verdict (LossScaler.unscale_), so all skip the same steps.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -149,8 +150,6 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
     reduce_dtype = native_dtype(pol.comm)
     if reduce_dtype is None:
         problems.append(f"comm={pol.comm} (FSDP2 reduces in fp32, bf16 or fp16)")
-    if pol.loss_scaling != "none":
-        problems.append(f"loss_scaling={pol.loss_scaling} (the inf/NaN check would see one rank's shard)")
     if problems:
         raise ValueError(f"policy {pol.name!r} under FSDP2: unsupported: " + "; ".join(problems))
 

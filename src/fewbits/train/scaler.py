@@ -33,7 +33,12 @@ class LossScaler:
         return loss if self.scale == 1.0 else loss * self.scale
 
     def unscale_(self, grads: list[torch.Tensor]) -> bool:
-        """Divide every gradient by the scale in place; True if any is inf or NaN."""
+        """Divide every gradient by the scale in place; True if any is inf or NaN.
+
+        Sharded gradients (DTensors, as FSDP2 leaves them) are checked shard by shard and the
+        verdict is agreed across the ranks (an all-reduce of the flag), so that every rank skips
+        the same steps even when only one rank's shard overflowed."""
+        grads, group = _local_shards(grads)
         if not grads:
             return False
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
@@ -41,8 +46,11 @@ class LossScaler:
         by_dtype: dict = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        for same_dtype in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
+        if group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=None if group == "world" else group)
         return bool(found.item())
 
     def update(self, found_inf: bool) -> None:
@@ -77,3 +85,22 @@ class LossScaler:
         self.growth_tracker = int(state["growth_tracker"])
         self.history = [float(v) for v in state["history"]]
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def _local_shards(grads: list[torch.Tensor]):
+    """(plain tensors to check and unscale, the process group whose ranks must agree or None):
+    a DTensor gives its local shard (writing to it writes the DTensor); ranks agree over the
+    DTensor's 1-D mesh, or over all ranks ("world") for larger meshes."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return grads, None
+    out, group = [], None
+    for g in grads:
+        if isinstance(g, DTensor):
+            if group is None:
+                mesh = g.device_mesh
+                group = mesh.get_group() if mesh.ndim == 1 else "world"
+            g = g.to_local()
+        out.append(g)
+    return out, group
