@@ -186,6 +186,64 @@ def test_fsdp2_two_gloo_processes(tmp_path):
         assert torch.load(tmp_path / f"scaler-rank{r}.pt") == [(False, 2.0), (True, 2.0)]
 
 
+def _resume_worker(rank, world, port, out_dir):
+    """6 steps straight, and 3 steps + checkpoint (each rank its own file) + a fresh sharded
+    model and engine loading it + 3 steps: the two must end bit-identical."""
+    import torch.distributed as dist
+
+    import fewbits as fb
+    from fewbits.train import load_checkpoint, save_checkpoint
+    from fewbits.train.tasks import digits_data
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x, y = digits_data()
+        batches = _batches(world, 6, 32)
+        policy = Policy.preset("bf16-mixed").replace(name="bf16-scaled", loss_scaling="dynamic", growth_interval=2)
+
+        def fresh():
+            model = _model()
+            pol = fully_shard_with_policy(model, policy)
+            return model, Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pol)
+
+        def train(model, engine, steps):
+            for per_rank in steps:
+                idx = per_rank[rank]
+                engine.train_step(nn.functional.cross_entropy(model(x[idx]), y[idx]))
+
+        def gathered(model):
+            params = dict(model.named_parameters())
+            return torch.cat([params[n].detach().full_tensor().reshape(-1) for n in sorted(params)])
+
+        with fb.use_backend("eager"):
+            model, engine = fresh()
+            train(model, engine, batches)
+            straight = gathered(model)
+            model, engine = fresh()
+            train(model, engine, batches[:3])
+            path = os.path.join(out_dir, f"ck-rank{rank}.pt")
+            save_checkpoint(engine, path)
+            model, engine = fresh()
+            load_checkpoint(engine, path)
+            train(model, engine, batches[3:])
+            resumed = gathered(model)
+            torch.save({"equal": torch.equal(straight, resumed), "scale": engine.scaler.scale,
+                        "steps": engine.step_count}, os.path.join(out_dir, f"resume-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing torch
+def test_fsdp2_sharded_checkpoint_resumes_bit_identically(tmp_path):
+    mp.spawn(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        res = torch.load(tmp_path / f"resume-rank{r}.pt")
+        assert res["equal"] and res["steps"] == 6 and res["scale"] == 2.0 ** 19, res
+
+
 def test_unsupported_policies_raise():
     for policy, what in (("bf16-pure", "no master"), ("fp16-mixed", "weights=fp16 is not a native dtype"),
                          ("bf16-mixed-8bit-adam", "optimizer_states")):

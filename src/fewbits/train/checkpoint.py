@@ -3,6 +3,10 @@ to an uninterrupted one — model (working weights), master weights, optimizer s
 packed form, as stored), loss scaler, FP8 amax histories, Kahan compensation buffers, the
 stochastic-rounding generators and the step counter. Files are written with torch.save and read
 with torch.load(weights_only=True).
+
+Under FSDP2 (fully_shard_with_policy) the parameters and optimizer states are DTensors: each
+rank saves its own shards (give every rank its own path, e.g. f"ckpt-rank{rank}.pt") with their
+global shapes, and loads them back into the DTensors of a model sharded the same way.
 """
 from __future__ import annotations
 
@@ -23,11 +27,14 @@ def engine_state(engine) -> dict:
             if isinstance(v, PackedState):
                 packed.setdefault(idx, {})[k] = v.to_dict()
                 st[k] = None
+            elif _is_dtensor(v):
+                st[k] = _local(v)
     return {
         "format": FORMAT_TAG,
         "policy": engine.policy.to_dict(),
         "step_count": engine.step_count,
-        "model": {k: v.detach().clone() for k, v in engine.model.state_dict().items()},
+        "model": {k: _local(v) for k, v in engine.model.state_dict().items()},
+        "shards": {k: list(v.shape) for k, v in engine.model.state_dict().items() if _is_dtensor(v)},
         "masters": [e.master.detach().clone() for e in engine.entries],
         "compensation": [e.compensation.clone() if e.compensation is not None else None for e in engine.entries],
         "optimizer": opt_state,
@@ -48,7 +55,7 @@ def load_engine_state(engine, state: dict) -> None:
                          f"this engine runs {engine.policy.name!r} with different settings")
     if len(state["masters"]) != len(engine.entries):
         raise ValueError(f"checkpoint has {len(state['masters'])} managed parameters, the model {len(engine.entries)}")
-    engine.model.load_state_dict(state["model"])
+    _load_model(engine.model, state["model"], state.get("shards", {}))
     with torch.no_grad():
         for e, m, c in zip(engine.entries, state["masters"], state["compensation"]):
             if m.shape != e.master.shape:
@@ -57,8 +64,14 @@ def load_engine_state(engine, state: dict) -> None:
             e.master.data = m.clone()
             if c is not None:
                 e.compensation.copy_(c)
-    engine.optimizer.load_state_dict(state["optimizer"])
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    engine.optimizer.load_state_dict(state["optimizer"])
+    for p in params:  # this rank's shards of the states back into DTensors like their parameter's
+        if _is_dtensor(p) and p in engine.optimizer.state:
+            live = engine.optimizer.state[p]
+            for k, v in list(live.items()):
+                if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.dim() > 0:
+                    live[k] = _as_shard_of(v, p)
     for idx, entries in state["packed_states"].items():
         st = engine.optimizer.state[params[int(idx)]]
         for k, d in entries.items():
@@ -95,3 +108,49 @@ def load_checkpoint(engine, path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not a readable fewbits training checkpoint ({type(exc).__name__}: {exc})") from None
     load_engine_state(engine, state)
     return state.get("extra", {})
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of t: this rank's shard for a DTensor."""
+    return (t.to_local() if _is_dtensor(t) else t).detach().clone()
+
+
+def _as_shard_of(local: torch.Tensor, like) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    if tuple(local.shape) != tuple(like.to_local().shape):
+        raise ValueError(f"checkpoint shard has shape {tuple(local.shape)}, this rank's is "
+                         f"{tuple(like.to_local().shape)} (sharded differently?)")
+    return DTensor.from_local(local.to(like.dtype), like.device_mesh, like.placements,
+                              shape=like.shape, stride=like.stride())
+
+
+def _load_model(model, saved: dict, shards: dict) -> None:
+    """load_state_dict, with DTensor entries filled shard by shard (each rank its own)."""
+    current = model.state_dict()
+    plain = {}
+    for k, v in saved.items():
+        target = current.get(k)
+        if target is not None and _is_dtensor(target):
+            if k not in shards or list(target.shape) != shards[k]:
+                raise ValueError(f"{k}: checkpoint holds {'a shard of ' + str(tuple(shards[k])) if k in shards else 'a full tensor'},"
+                                 f" the model a shard of {tuple(target.shape)}")
+            local = target.to_local()
+            if tuple(local.shape) != tuple(v.shape):
+                raise ValueError(f"{k}: checkpoint shard has shape {tuple(v.shape)}, this rank's is {tuple(local.shape)}")
+            with torch.no_grad():
+                local.copy_(v)
+        else:
+            plain[k] = v
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(plain, strict=False)
