@@ -182,3 +182,25 @@ def test_build_goes_to_the_cache_and_is_reused(fresh_native):
     native.reset()
     assert native.library() is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_lut4_matmul_equals_the_decoded_product_and_checks_its_arguments(lib):
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(16, generator=g)
+    for n, k, row_len, group in ((70, 96, 96, 16), (5, 64, 128, 64), (130, 256, 256, 256)):
+        codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+        scales = torch.rand(n, row_len // group, generator=g) + 0.5
+        nib = torch.stack([codes & 15, codes >> 4], dim=1).reshape(n, row_len).long()
+        w = table[nib] * scales.repeat_interleave(group, dim=1)  # float32, one rounding: as in C
+        for m in (1, 8, 13):
+            x = torch.randn(m, k, generator=g)
+            y = native.lut4_matmul(lib, x, codes, scales, table, n, row_len, group)
+            ref = x.double() @ w[:, :k].double().t()
+            bound = 64 * 2.0 ** -24 * (x.abs().double() @ w[:, :k].abs().double().t())
+            assert bool(((y.double() - ref).abs() <= bound + 1e-30).all()), (n, k, m)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        native.lut4_matmul(lib, torch.zeros(1, 48), torch.zeros(48, dtype=torch.uint8), torch.ones(2, 3),
+                           table, 2, 48, 16)
+    with pytest.raises(ValueError, match="float32"):
+        native.lut4_matmul(lib, torch.zeros(1, 64, dtype=torch.float64), torch.zeros(64, dtype=torch.uint8),
+                           torch.ones(2, 1), table, 2, 64, 64)

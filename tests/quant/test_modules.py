@@ -175,6 +175,41 @@ def test_dequant_path_decodes_exactly_what_dequantize_gives(monkeypatch):
     assert torch.allclose(m(x), m.reference_forward(x), rtol=0, atol=1e-5)
 
 
+FOUR_BIT = [n for n in ALL_SCHEMES if get_scheme(n).format.bits == 4 and get_scheme(n).symmetric
+            and get_scheme(n).activations is None]
+
+
+@pytest.mark.parametrize("name", FOUR_BIT)
+def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
+    """The fused C matmul of the dequant path (4-bit codes decoded in registers) against the
+    reference: batches across its 8-row chunks and up to LUT4_MAX_BATCH, per-tensor, per-channel
+    and group scales, padded rows; and that it is the path that ran (where it can be built)."""
+    from fewbits.kernels import native
+    if native.library() is None:
+        pytest.skip(native.status()["reason"])
+    calls = []
+    real = native.lut4_matmul
+    monkeypatch.setattr(native, "lut4_matmul", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    used = 0
+    for shape in [(64, 96), (48, 256), (32, 200)]:
+        m = QuantLinear.from_linear(_linear(*shape, seed=shape[1]), name, kernel="dequant")
+        for rows in (1, 9, qm.LUT4_MAX_BATCH):
+            before = len(calls)
+            assert_close_to_reference(m, _x((rows, shape[1]), seed=rows))
+            used += len(calls) > before
+        x = _x((5, shape[1]))
+        fused = m(x)
+        with native.turned_off():  # the torch path: the same up to float32 summation order
+            torch.testing.assert_close(fused, m(x), rtol=1e-5, atol=1e-5 * float(fused.abs().max()))
+    if name in ("nf4", "mxfp4", "nf4_dq", "int4_g32"):
+        assert used, f"{name}: the fused matmul never ran"
+    n_big = qm.LUT4_MAX_BATCH + 1  # beyond it: decode-then-GEMM
+    m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant")
+    before = len(calls)
+    assert_close_to_reference(m, _x((n_big, 256)))
+    assert len(calls) == before
+
+
 def test_w8a8_activation_quantization_equals_quantize_exactly():
     """The fused activation quantizer gives quantize()'s codes and scales bit for bit: ties
     (x * 127 / amax exactly halfway), a zero row, bf16 and fp16 scale formats, per tensor."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("rowquant.c",)
+SOURCES = ("rowquant.c", "lut4.c")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 COMPILE_TIMEOUT_S = 120
 
@@ -99,6 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_quantize_rows_int8.restype = None
     lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
     lib.fb_scale_rows.restype = None
+    lib.fb_lut4_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, i64, p, i64, i64]
+    lib.fb_lut4_matmul.restype = i32
 
 
 def library() -> ctypes.CDLL | None:
@@ -211,4 +213,65 @@ def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
         bias = bias.contiguous()
     lib.fb_scale_rows(y.data_ptr(), m, n, y.stride(0) if m > 1 else n, row_scales.data_ptr(),
                       bias.data_ptr() if bias is not None else None)
+    return y
+
+
+LUT4_MAX_ROWS = 8  # rows of x per call of the C kernel (more: call it again)
+PARALLEL_MIN_ROWS = 64  # output rows below which one thread does all
+_pool = None
+
+
+def _thread_pool(workers: int):
+    global _pool
+    if _pool is None or _pool._max_workers < workers:
+        from concurrent.futures import ThreadPoolExecutor
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fewbits-native")
+    return _pool
+
+
+def lut4_supported(row_len: int, group: int) -> bool:
+    """Whether fb_lut4_matmul takes rows of `row_len` codes in groups of `group`."""
+    return row_len % 32 == 0 and group % 16 == 0 and group >= 16 and row_len % group == 0
+
+
+def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                table: torch.Tensor, n: int, row_len: int, group: int) -> torch.Tensor:
+    """x [M, k <= row_len] float32 @ W.T -> [M, n] float32, W[r, c] = table[code] * scales[r,
+    c // group] with 4-bit codes packed low-first, row_len / 2 bytes per row (columns from k on
+    are padding: x is read as zero there). The output rows are split over torch's threads
+    (ctypes releases the GIL while C runs)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > row_len:
+        raise ValueError(f"x must be float32 [M, <= {row_len}], got {x.dtype} {tuple(x.shape)}")
+    if not lut4_supported(row_len, group):
+        raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
+    if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
+        raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
+    groups = row_len // group
+    scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
+    table = table.to(torch.float32).contiguous()
+    if table.numel() != 16:
+        raise ValueError(f"the table needs 16 values, got {table.numel()}")
+    codes = codes.contiguous()
+    m_all = x.shape[0]
+    y = torch.empty(m_all, n, dtype=torch.float32)
+    workers = torch.get_num_threads() if n >= PARALLEL_MIN_ROWS else 1
+    step = -(-n // workers)
+    for m0 in range(0, m_all, LUT4_MAX_ROWS):
+        xs = x[m0:m0 + LUT4_MAX_ROWS]
+        xp = torch.nn.functional.pad(xs, (0, row_len - xs.shape[1])) if xs.shape[1] < row_len else xs
+        xe, xo = xp[:, 0::2].contiguous(), xp[:, 1::2].contiguous()
+        ys = y[m0:m0 + LUT4_MAX_ROWS]
+        out = ys if ys.is_contiguous() else torch.empty_like(ys)
+        args = (xe.data_ptr(), xo.data_ptr(), codes.data_ptr(), scales.data_ptr(), table.data_ptr(),
+                xs.shape[0], n, row_len, group, out.data_ptr())
+        if workers == 1:
+            rc = [lib.fb_lut4_matmul(*args, 0, n)]
+        else:
+            futures = [_thread_pool(workers).submit(lib.fb_lut4_matmul, *args, a, min(n, a + step))
+                       for a in range(0, n, step)]
+            rc = [f.result() for f in futures]
+        if any(rc):
+            raise RuntimeError("fb_lut4_matmul refused its arguments")
+        if out is not ys:
+            ys.copy_(out)
     return y

@@ -292,7 +292,7 @@ def _quantize_rows_int8_native(lib, x: torch.Tensor, per_row: bool, round_scale,
 # decoding codes through lookup tables (the dequantize-on-the-fly path)
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def _value_table(fmt) -> torch.Tensor:
+def value_table(fmt) -> torch.Tensor:
     """float32 value of every code of a format of up to 8 bits (exactly fb.decode's values; NaN
     for the unused codes of a codebook with fewer than 2^bits entries)."""
     n = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
@@ -309,7 +309,7 @@ def byte_table(fmt) -> torch.Tensor:
     per = 8 // bits
     b = torch.arange(256)
     codes = torch.stack([(b >> (j * bits)) & (2 ** bits - 1) for j in range(per)], dim=1)
-    return _value_table(fmt)[codes].contiguous()
+    return value_table(fmt)[codes].contiguous()
 
 
 _TORCH_16BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -343,7 +343,7 @@ def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.
     first = group * per_group * bits // 8
     n = skip + count
     c = unpack(codes[first:first + -(-n * bits // 8)], bits, n, order="low_first").to(torch.int32)
-    return torch.index_select(_value_table(fmt), 0, c[skip:])
+    return torch.index_select(value_table(fmt), 0, c[skip:])
 
 
 def pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -18,6 +18,10 @@ bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
 dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the codes are decoded
                and scaled in float32 (exactly QuantizedTensor.dequantize()) a block of output
                rows at a time, each block multiplied at once, so no whole float weight exists.
+               4-bit symmetric schemes (nf4, mxfp4, nvfp4, fp4, int4 where int4pack cannot) with
+               float32 inputs of up to LUT4_MAX_BATCH rows run a fused C matmul instead
+               (fewbits.kernels.native: each code read from memory once per 8 rows of x, decoded
+               in registers with the same float32 arithmetic), where a C compiler is there.
 =============  ==================================================================================
 
 Every kernel is checked in tests against the slow reference `reference_forward(x)` =
@@ -145,6 +149,8 @@ class _RowDecoder:
         self.group_len = self.row_len // self.groups if self.groups else 0
         bits = self.fmt.bits
         self.row_bytes = (self.row_len * bits // 8) if bits <= 8 and (self.row_len * bits) % 8 == 0 else None
+        # 4-bit codes scaled per group, no zero point or minimum: the fused C matmul can read them
+        self.lut4 = bits == 4 and s.symmetric and native.lut4_supported(self.row_len, self.group_len)
 
     @staticmethod
     def supports(qt: QuantizedTensor) -> bool:
@@ -192,6 +198,9 @@ class _RowDecoder:
             table = torch.stack(decoded) if decoded else torch.empty(0, self.row_len)
             v = table[inverse].reshape(-1)
         return self._finish(v, scales, zps, index)
+
+
+LUT4_MAX_BATCH = 64  # up to this many rows of x the fused 4-bit matmul beats decode-then-GEMM here
 
 
 def _rows_per_block(row_len: int, bits: int) -> int:
@@ -542,6 +551,13 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             return _with_bias(F.linear(x2d, self._qweight.dequantize(x2d.dtype)), bias, dtype)
         scales, zps = dec.params()
         n = self.out_features
+        if (dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
+                and zps == (None, None) and x2d.device.type == "cpu"):
+            lib = native.library()
+            if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
+                y = native.lut4_matmul(lib, x2d, self._qweight.codes, scales, ops.value_table(dec.fmt), n,
+                                       dec.row_len, dec.group_len)
+                return _with_bias(y, bias, dtype)
         step = _rows_per_block(dec.row_len, dec.fmt.bits)
         if step >= n:
             return _with_bias(F.linear(x2d, dec.block(0, n, scales, zps).to(x2d.dtype)), bias, dtype)

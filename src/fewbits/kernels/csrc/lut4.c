@@ -1,0 +1,120 @@
+/* y = x @ W.T for a weight W [N, K] held as 4-bit codes of a 16-value table with one float32
+ * scale per group of K: W[n, k] = table[code[n, k]] * scale[n, k / group]. For the
+ * dequantize-on-the-fly path of fewbits' QuantLinear (NF4, MXFP4, NVFP4, FP4 ...) at small
+ * batches, where decoding the weight into a float matrix and calling a GEMM moves 8x more bytes
+ * than the codes.
+ *
+ * Codes are packed two per byte, low nibble first, row by row (row_bytes = K / 2). A step reads
+ * 16 bytes = 32 weights: the low nibbles are the weights at even k, the high ones at odd k, so
+ * the caller passes x split into its even and odd columns and no shuffle of codes is needed. The
+ * table lookup is one permute of a 16-lane register (GCC/Clang vector extensions: vpermps on
+ * AVX-512). Each weight is table value times scale, rounded to float32 once, exactly as
+ * QuantizedTensor.dequantize() computes it; the products with x accumulate in float32 (fused
+ * multiply-add where the CPU has it), in an order of their own, as any GEMM's.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define L 16
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint8_t vb __attribute__((vector_size(L)));
+
+static inline vf lookup(vf table, vi idx) {
+#if defined(__GNUC__) && !defined(__clang__)
+    return __builtin_shuffle(table, idx);
+#else /* clang's shuffles take constant indices only */
+    vf r;
+    for (int l = 0; l < L; l++) r[l] = table[idx[l] & 15];
+    return r;
+#endif
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int l = 0; l < L; l++) s += v[l];
+    return s;
+}
+
+#define MAX_M 8
+
+/* fused multiply-add in the accumulation only: every weight is still rounded once, before it
+ * meets x (the decode product is not an addend) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define ACCUMULATE __attribute__((optimize("fp-contract=fast")))
+#else
+#define ACCUMULATE
+#endif
+
+/* the scales of the 16 lanes of step j: lane l holds weights 2(j + l) and 2(j + l) + 1, in one
+ * group when group >= 32; with groups of 16, lanes 0-7 lie in one group and 8-15 in the next */
+static inline vf step_scales(const float *srow, int64_t j, int64_t group) {
+    const int64_t k0 = 2 * j;
+    if (group >= 32) return (vf){0} + srow[k0 / group];
+    vf s;
+    const float s0 = srow[k0 / 16], s1 = srow[k0 / 16 + 1];
+    for (int l = 0; l < L; l++) s[l] = l < 8 ? s0 : s1;
+    return s;
+}
+
+/* One output row n for MR rows of x (MR a compile-time constant: the accumulators stay in
+ * registers). */
+#define DEFINE_ROW(MR)                                                                           \
+    static ACCUMULATE void row_##MR(const float *xe, const float *xo, const uint8_t *row,        \
+                                    const float *srow, vf table, int64_t half, int64_t group,    \
+                                    float *y, int64_t N, int64_t n) {                            \
+        vf acc[MR];                                                                              \
+        for (int m = 0; m < MR; m++) acc[m] = (vf){0};                                           \
+        for (int64_t j = 0; j < half; j += L) {                                                  \
+            vb bytes;                                                                            \
+            memcpy(&bytes, row + j, sizeof bytes);                                               \
+            vi b = __builtin_convertvector(bytes, vi);                                           \
+            vf s = step_scales(srow, j, group);                                                  \
+            vf lo = lookup(table, b & 15) * s, hi = lookup(table, b >> 4) * s;                   \
+            for (int m = 0; m < MR; m++) {                                                       \
+                vf e, o;                                                                         \
+                memcpy(&e, xe + m * half + j, sizeof e);                                         \
+                memcpy(&o, xo + m * half + j, sizeof o);                                         \
+                acc[m] += e * lo;                                                                \
+                acc[m] += o * hi;                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MR; m++) y[m * N + n] = hsum(acc[m]);                                \
+    }
+
+DEFINE_ROW(1)
+DEFINE_ROW(2)
+DEFINE_ROW(3)
+DEFINE_ROW(4)
+DEFINE_ROW(5)
+DEFINE_ROW(6)
+DEFINE_ROW(7)
+DEFINE_ROW(8)
+
+/* y[m, n] for n in [n0, n1), m < M <= MAX_M.
+ * xe, xo: [M, K/2] float32, the even and odd columns of x (zero-padded to K).
+ * codes: [N, K/2] bytes; scales: [N, K / group] float32 (group a multiple of 16); table: 16 floats.
+ * Returns 0, or -1 for an unsupported shape. */
+int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, const float *scales,
+                       const float *table16, int64_t M, int64_t N, int64_t K, int64_t group,
+                       float *y, int64_t n0, int64_t n1) {
+    if (M < 1 || M > MAX_M || K % 32 != 0 || group % 16 != 0 || group < 16 || K % group != 0) return -1;
+    vf table;
+    memcpy(&table, table16, sizeof table);
+    const int64_t half = K / 2, groups = K / group;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = codes + n * half;
+        const float *srow = scales + n * groups;
+        switch (M) {
+        case 1: row_1(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 2: row_2(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 3: row_3(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 4: row_4(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 5: row_5(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 6: row_6(xe, xo, row, srow, table, half, group, y, N, n); break;
+        case 7: row_7(xe, xo, row, srow, table, half, group, y, N, n); break;
+        default: row_8(xe, xo, row, srow, table, half, group, y, N, n); break;
+        }
+    }
+    return 0;
+}
