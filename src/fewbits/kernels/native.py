@@ -266,10 +266,10 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
                 xs.shape[0], n, row_len, group, out.data_ptr())
         if workers == 1:
             rc = [lib.fb_lut4_matmul(*args, 0, n)]
-        else:
+        else:  # the calling thread takes the first share: one hand-off fewer
             futures = [_thread_pool(workers).submit(lib.fb_lut4_matmul, *args, a, min(n, a + step))
-                       for a in range(0, n, step)]
-            rc = [f.result() for f in futures]
+                       for a in range(step, n, step)]
+            rc = [lib.fb_lut4_matmul(*args, 0, min(n, step))] + [f.result() for f in futures]
         if any(rc):
             raise RuntimeError("fb_lut4_matmul refused its arguments")
         if out is not ys:

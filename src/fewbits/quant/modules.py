@@ -549,15 +549,21 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         dec = self._decoder
         if dec is None:
             return _with_bias(F.linear(x2d, self._qweight.dequantize(x2d.dtype)), bias, dtype)
-        scales, zps = dec.params()
         n = self.out_features
-        if (dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
-                and zps == (None, None) and x2d.device.type == "cpu"):
-            lib = native.library()
-            if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
+        lib = (native.library() if dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
+               and x2d.device.type == "cpu" else None)
+        if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
+            # torch on one thread around the C kernel: its own threads would otherwise still spin
+            # on the cores the kernel's threads need (OpenMP waits busily after a parallel region)
+            with ops.one_thread():
+                scales, zps = dec.params()
+            if zps == (None, None):
                 y = native.lut4_matmul(lib, x2d, self._qweight.codes, scales, ops.value_table(dec.fmt), n,
                                        dec.row_len, dec.group_len)
-                return _with_bias(y, bias, dtype)
+                with ops.one_thread_if_small(y.numel()):
+                    return _with_bias(y, bias, dtype)
+        else:
+            scales, zps = dec.params()
         step = _rows_per_block(dec.row_len, dec.fmt.bits)
         if step >= n:
             return _with_bias(F.linear(x2d, dec.block(0, n, scales, zps).to(x2d.dtype)), bias, dtype)
