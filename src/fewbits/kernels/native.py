@@ -30,6 +30,10 @@ import torch
 
 SOURCES = ("rowquant.c", "lut4.c")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
+# OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
+# torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under
+# that name), so its threads are torch's threads, sized by torch.set_num_threads
+OPENMP_FLAGS = ("-fopenmp",)
 COMPILE_TIMEOUT_S = 120
 
 _lock = threading.Lock()
@@ -65,7 +69,7 @@ def _build(cc: str) -> Path:
     sources = [src_dir / s for s in SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in sources), version.encode(), " ".join(CFLAGS).encode(),
+    for part in (*(s.read_bytes() for s in sources), version.encode(), " ".join(CFLAGS + OPENMP_FLAGS).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -78,8 +82,11 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"],
-                           capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        for extra in (OPENMP_FLAGS, ()):  # without OpenMP if the compiler has none
+            r = subprocess.run([cc, *CFLAGS, *extra, "-o", tmp, *map(str, sources), "-lm"],
+                               capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            if r.returncode == 0:
+                break
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(tmp, target)
@@ -217,16 +224,6 @@ def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
 
 
 LUT4_MAX_ROWS = 8  # rows of x per call of the C kernel (more: call it again)
-PARALLEL_MIN_ROWS = 64  # output rows below which one thread does all
-_pool = None
-
-
-def _thread_pool(workers: int):
-    global _pool
-    if _pool is None or _pool._max_workers < workers:
-        from concurrent.futures import ThreadPoolExecutor
-        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fewbits-native")
-    return _pool
 
 
 def lut4_supported(row_len: int, group: int) -> bool:
@@ -238,8 +235,8 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
                 table: torch.Tensor, n: int, row_len: int, group: int) -> torch.Tensor:
     """x [M, k <= row_len] float32 @ W.T -> [M, n] float32, W[r, c] = table[code] * scales[r,
     c // group] with 4-bit codes packed low-first, row_len / 2 bytes per row (columns from k on
-    are padding: x is read as zero there). The output rows are split over torch's threads
-    (ctypes releases the GIL while C runs)."""
+    are padding: x is read as zero there). The output rows are shared out over torch's OpenMP
+    threads (where the library was built with OpenMP)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > row_len:
         raise ValueError(f"x must be float32 [M, <= {row_len}], got {x.dtype} {tuple(x.shape)}")
     if not lut4_supported(row_len, group):
@@ -254,8 +251,6 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
     codes = codes.contiguous()
     m_all = x.shape[0]
     y = torch.empty(m_all, n, dtype=torch.float32)
-    workers = torch.get_num_threads() if n >= PARALLEL_MIN_ROWS else 1
-    step = -(-n // workers)
     for m0 in range(0, m_all, LUT4_MAX_ROWS):
         xs = x[m0:m0 + LUT4_MAX_ROWS]
         xp = torch.nn.functional.pad(xs, (0, row_len - xs.shape[1])) if xs.shape[1] < row_len else xs
@@ -264,13 +259,7 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
         out = ys if ys.is_contiguous() else torch.empty_like(ys)
         args = (xe.data_ptr(), xo.data_ptr(), codes.data_ptr(), scales.data_ptr(), table.data_ptr(),
                 xs.shape[0], n, row_len, group, out.data_ptr())
-        if workers == 1:
-            rc = [lib.fb_lut4_matmul(*args, 0, n)]
-        else:  # the calling thread takes the first share: one hand-off fewer
-            futures = [_thread_pool(workers).submit(lib.fb_lut4_matmul, *args, a, min(n, a + step))
-                       for a in range(step, n, step)]
-            rc = [lib.fb_lut4_matmul(*args, 0, min(n, step))] + [f.result() for f in futures]
-        if any(rc):
+        if lib.fb_lut4_matmul(*args, 0, n):
             raise RuntimeError("fb_lut4_matmul refused its arguments")
         if out is not ys:
             ys.copy_(out)

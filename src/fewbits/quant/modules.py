@@ -553,9 +553,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         lib = (native.library() if dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
                and x2d.device.type == "cpu" else None)
         if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
-            # torch on one thread around the C kernel: its own threads would otherwise still spin
-            # on the cores the kernel's threads need (OpenMP waits busily after a parallel region)
-            with ops.one_thread():
+            with ops.one_thread():  # small next to the codes: a parallel region costs more
                 scales, zps = dec.params()
             if zps == (None, None):
                 y = native.lut4_matmul(lib, x2d, self._qweight.codes, scales, ops.value_table(dec.fmt), n,

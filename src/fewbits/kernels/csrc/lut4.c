@@ -10,7 +10,8 @@
  * table lookup is one permute of a 16-lane register (GCC/Clang vector extensions: vpermps on
  * AVX-512). Each weight is table value times scale, rounded to float32 once, exactly as
  * QuantizedTensor.dequantize() computes it; the products with x accumulate in float32 (fused
- * multiply-add where the CPU has it), in an order of their own, as any GEMM's.
+ * multiply-add where the CPU has it), in an order of their own, as any GEMM's. Rows of W are
+ * shared out over OpenMP threads when built with -fopenmp.
  */
 #include <stdint.h>
 #include <string.h>
@@ -102,6 +103,9 @@ int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, c
     vf table;
     memcpy(&table, table16, sizeof table);
     const int64_t half = K / 2, groups = K / group;
+    /* torch's own OpenMP threads (the process has one libgomp: torch's), as many as
+     * torch.get_num_threads() says; one thread for a few rows */
+#pragma omp parallel for schedule(static) if (n1 - n0 >= 64)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = codes + n * half;
         const float *srow = scales + n * groups;
