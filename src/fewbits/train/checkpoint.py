@@ -15,6 +15,7 @@ import os
 import torch
 
 from .optim import PackedState
+from .shards import is_dtensor, local
 
 FORMAT_TAG = "fewbits-train-checkpoint-v1"
 
@@ -27,14 +28,14 @@ def engine_state(engine) -> dict:
             if isinstance(v, PackedState):
                 packed.setdefault(idx, {})[k] = v.to_dict()
                 st[k] = None
-            elif _is_dtensor(v):
+            elif is_dtensor(v):
                 st[k] = _local(v)
     return {
         "format": FORMAT_TAG,
         "policy": engine.policy.to_dict(),
         "step_count": engine.step_count,
         "model": {k: _local(v) for k, v in engine.model.state_dict().items()},
-        "shards": {k: list(v.shape) for k, v in engine.model.state_dict().items() if _is_dtensor(v)},
+        "shards": {k: list(v.shape) for k, v in engine.model.state_dict().items() if is_dtensor(v)},
         "masters": [e.master.detach().clone() for e in engine.entries],
         "compensation": [e.compensation.clone() if e.compensation is not None else None for e in engine.entries],
         "optimizer": opt_state,
@@ -67,10 +68,10 @@ def load_engine_state(engine, state: dict) -> None:
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
     engine.optimizer.load_state_dict(state["optimizer"])
     for p in params:  # this rank's shards of the states back into DTensors like their parameter's
-        if _is_dtensor(p) and p in engine.optimizer.state:
+        if is_dtensor(p) and p in engine.optimizer.state:
             live = engine.optimizer.state[p]
             for k, v in list(live.items()):
-                if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.dim() > 0:
+                if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.dim() > 0:
                     live[k] = _as_shard_of(v, p)
     for idx, entries in state["packed_states"].items():
         st = engine.optimizer.state[params[int(idx)]]
@@ -110,25 +111,17 @@ def load_checkpoint(engine, path: str | os.PathLike) -> dict:
     return state.get("extra", {})
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain copy of t: this rank's shard for a DTensor."""
-    return (t.to_local() if _is_dtensor(t) else t).detach().clone()
+    return local(t).detach().clone()
 
 
-def _as_shard_of(local: torch.Tensor, like) -> torch.Tensor:
+def _as_shard_of(shard: torch.Tensor, like) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
-    if tuple(local.shape) != tuple(like.to_local().shape):
-        raise ValueError(f"checkpoint shard has shape {tuple(local.shape)}, this rank's is "
+    if tuple(shard.shape) != tuple(like.to_local().shape):
+        raise ValueError(f"checkpoint shard has shape {tuple(shard.shape)}, this rank's is "
                          f"{tuple(like.to_local().shape)} (sharded differently?)")
-    return DTensor.from_local(local.to(like.dtype), like.device_mesh, like.placements,
+    return DTensor.from_local(shard.to(like.dtype), like.device_mesh, like.placements,
                               shape=like.shape, stride=like.stride())
 
 
@@ -138,15 +131,15 @@ def _load_model(model, saved: dict, shards: dict) -> None:
     plain = {}
     for k, v in saved.items():
         target = current.get(k)
-        if target is not None and _is_dtensor(target):
+        if target is not None and is_dtensor(target):
             if k not in shards or list(target.shape) != shards[k]:
                 raise ValueError(f"{k}: checkpoint holds {'a shard of ' + str(tuple(shards[k])) if k in shards else 'a full tensor'},"
                                  f" the model a shard of {tuple(target.shape)}")
-            local = target.to_local()
-            if tuple(local.shape) != tuple(v.shape):
-                raise ValueError(f"{k}: checkpoint shard has shape {tuple(v.shape)}, this rank's is {tuple(local.shape)}")
+            shard = target.to_local()
+            if tuple(shard.shape) != tuple(v.shape):
+                raise ValueError(f"{k}: checkpoint shard has shape {tuple(v.shape)}, this rank's is {tuple(shard.shape)}")
             with torch.no_grad():
-                local.copy_(v)
+                shard.copy_(v)
         else:
             plain[k] = v
     missing = [k for k in current if k not in saved]

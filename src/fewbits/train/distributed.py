@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..formats import get_format
 from ..kernels import decode, encode
-from .casts import native_dtype
+from .casts import native_dtype, round_to
 from .engine import native_on, takes_bf16_input
 from .fp8 import pow2_scale
 from .policy import Policy
@@ -110,23 +110,33 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding: DTensor params
         engine = Engine(model, opt, policy)
 
-    FSDP2 owns the parameters, so it plays the role of the Engine's master/working pair: the
-    sharded fp32 parameters are the masters (the optimizer updates them, each rank its shard),
-    MixedPrecisionPolicy(param_dtype=<policy.weights>) all-gathers them as the bf16 working copy,
-    and gradients are reduce-scattered in fp32 (or in policy.comm when that is bf16/fp16).
-    Modules the policy keeps in fp32 (norms, ...) are sharded as their own units with fp32
-    parameters. The returned policy is the same one with weights="fp32", master=None ("<name>+fsdp2"),
-    so the Engine leaves the (DTensor) parameters alone and only does the rest: the compute dtype,
-    the emulated casts of matmul inputs/outputs/gradients (fp8 and its scaling recipes), fp32
-    modules, telemetry. `units`: further submodules (e.g. transformer blocks) to shard one by one.
+    With an fp32 master (bf16-mixed, fp8-hybrid, ...) FSDP2 owns the parameters and plays the
+    role of the Engine's master/working pair: the sharded fp32 parameters are the masters (the
+    optimizer updates them, each rank its shard), MixedPrecisionPolicy(param_dtype=
+    <policy.weights>) all-gathers them as the bf16 working copy, and gradients are
+    reduce-scattered in fp32 (or in policy.comm when that is bf16/fp16). The returned policy is
+    the same one with weights="fp32", master=None ("<name>+fsdp2"), so the Engine leaves the
+    (DTensor) parameters alone and only does the rest: the compute dtype, the emulated casts of
+    matmul inputs/outputs/gradients (fp8 and its scaling recipes), fp32 modules, telemetry.
 
-    Policies that need the Engine's own copy of the weights are refused (ValueError): no master
-    (bf16-pure*: the update must land in the low-precision weights), a master other than fp32,
-    weights in a format the device cannot store natively (fp16 on a CPU: FSDP2 would all-gather
-    fp32; the forward casts still round matmul inputs, but the stored weights would not be fp16),
-    8-bit optimizer states, a grad_accum other than fp32, and a comm format other than
-    fp32/bf16/fp16. Loss scaling works: each rank checks its gradient shards for inf/NaN and the
-    ranks agree on the verdict (LossScaler.unscale_), so all skip the same steps.
+    Without a master (bf16-pure, bf16-pure-sr, bf16-pure-kahan) the weights are converted to the
+    policy's format and sharded in it (half the bytes of fp32, per rank); the gradients are
+    reduce-scattered in fp32 and stored in bf16. The Engine then gives the optimizer a float32
+    shadow of each rank's shard during step() and lands the update in the bf16 shard by the
+    policy's rule (nearest, stochastic with a stream of random words per rank, or Kahan with a
+    compensation buffer per shard); optimizers must be elementwise (every torch.optim one but
+    LBFGS), since each rank updates its shard alone.
+
+    Modules the policy keeps in fp32 (norms, ...) are sharded as their own units with fp32
+    parameters. `units`: further submodules (e.g. transformer blocks) to shard one by one.
+
+    Refused (ValueError): a master other than fp32, weights in a format the device cannot store
+    natively (fp16 on a CPU: FSDP2 would all-gather fp32; the forward casts still round matmul
+    inputs, but the stored weights would not be fp16), 8-bit optimizer states, a grad_accum other
+    than fp32 with a master (FSDP2 accumulates those gradients), and a comm format other than
+    fp32/bf16/fp16. Loss scaling works: each rank checks
+    its gradient shards for inf/NaN and the ranks agree on the verdict (LossScaler.unscale_), so
+    all skip the same steps.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -137,15 +147,14 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
     device = first.device if first is not None else torch.device("cpu")
     param_dtype = native_on(device, pol.weights)
     problems = []
-    if pol.master is None and pol.weights != "fp32":
-        problems.append("no master copy (the update would have to land in low-precision weights)")
+    no_master = pol.master is None and pol.weights != "fp32"
     if pol.master is not None and pol.master != "fp32":
         problems.append(f"master={pol.master} (FSDP2's sharded parameters are the fp32 masters)")
     if pol.weights != "fp32" and param_dtype is None:
         problems.append(f"weights={pol.weights} is not a native dtype on {device.type}")
     if pol.optimizer_states != "fp32":
         problems.append(f"optimizer_states={pol.optimizer_states}")
-    if pol.grad_accum != "fp32":
+    if pol.grad_accum != "fp32" and not no_master:  # without a master the Engine accumulates
         problems.append(f"grad_accum={pol.grad_accum}")
     reduce_dtype = native_dtype(pol.comm)
     if reduce_dtype is None:
@@ -153,17 +162,28 @@ def fully_shard_with_policy(model, policy, *, mesh=None, units=(), reshard_after
     if problems:
         raise ValueError(f"policy {pol.name!r} under FSDP2: unsupported: " + "; ".join(problems))
 
-    for name, m in _outermost_fp32_modules(model, pol):
+    kept = _outermost_fp32_modules(model, pol)
+    if no_master:  # the weights themselves are stored, and sharded, in the low-precision dtype
+        kept_names = {name for name, _ in kept}
+        with torch.no_grad():
+            for name, m in model.named_modules():
+                if not any(name == k or name.startswith(k + ".") for k in kept_names):
+                    for p in m.parameters(recurse=False):
+                        if p.is_floating_point():
+                            p.data = round_to(p.data.float(), pol.weights).to(param_dtype)
+    for name, m in kept:
         if any(True for _ in m.parameters()):
             # as in the Engine: a bf16 input goes in as it is where the module computes in fp32
             keep_input = param_dtype == torch.bfloat16 and takes_bf16_input(m, device)
             fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                            cast_forward_inputs=not keep_input)
             fully_shard(m, mesh=mesh, mp_policy=fp32_mp, reshard_after_forward=reshard_after_forward)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=None if no_master else param_dtype, reduce_dtype=reduce_dtype)
     for m in units:
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if no_master:
+        return pol.replace(name=f"{pol.name}+fsdp2")
     return pol.replace(name=f"{pol.name}+fsdp2", weights="fp32", master=None)
 
 

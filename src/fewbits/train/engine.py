@@ -38,6 +38,7 @@ from .fp8 import ScaledCast
 from .optim import StateStore, land_update
 from .policy import Policy
 from .scaler import LossScaler
+from .shards import is_dtensor, local
 from .telemetry import Telemetry
 
 _DTYPE_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,6 +81,10 @@ class _Entry:
     master: nn.Parameter            # what the optimizer updates (a shadow without a master copy)
     grad_buf: torch.Tensor | None = None
     compensation: torch.Tensor | None = None
+
+    def stored(self) -> torch.Tensor:
+        """The working weight's data: this rank's shard when FSDP2 shards it (a view)."""
+        return local(self.working.data) if is_dtensor(self.working) else self.working.data
 
 
 @dataclass
@@ -153,6 +158,10 @@ class Engine:
         self._fp32_modules = self._classify_modules()
         self._replace_parameters()
         self._install_hooks()
+        if any(is_dtensor(e.working) for e in self.entries):  # each rank rounds its own shards:
+            import torch.distributed as dist  # its own stream of random words
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.generators["update"].manual_seed(seed * 7919 + 1_000_003 * (rank + 1))
 
     # -----------------------------------------------------------------------------------------
     # setup
@@ -178,6 +187,19 @@ class Engine:
                 if id(p) in done:  # tied weights share one working copy
                     if done[id(p)] is not p:
                         module._parameters[pname] = done[id(p)]
+                    continue
+                if (is_dtensor(p) and not fp32 and pol.master is None and self.weights_fmt.name != "fp32"
+                        and p.requires_grad and id(p) in opt_params):
+                    # FSDP2 shards it in the low-precision format (fully_shard_with_policy, no
+                    # master): it stays in the module; the optimizer gets a float32 shadow of this
+                    # rank's shard, filled only during step()
+                    shadow = nn.Parameter(torch.empty(0, dtype=torch.float32, device=self.device))
+                    self._swap_in_optimizer(p, shadow)
+                    entry = _Entry(full, p, shadow)
+                    if pol.update_rounding == "kahan":
+                        entry.compensation = torch.zeros_like(local(p.data))
+                    done[id(p)] = p
+                    self.entries.append(entry)
                     continue
                 lowp = not fp32 and (pol.master is not None or self.storage_dtype != p.dtype
                                      or self.weights_fmt.name != _DTYPE_FORMAT.get(p.dtype))
@@ -205,6 +227,13 @@ class Engine:
                 self.entries.append(entry)
         self._names = {id(e.master): e.name for e in self.entries}
         self._names.update({id(p): n for n, p in self.plain_params})
+
+    def _swap_in_optimizer(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["params"] = [new if q is old else q for q in group["params"]]
+        if old in self.optimizer.state:
+            raise ValueError("the optimizer already holds state for a sharded parameter: build the "
+                             "Engine before the first optimizer step")
 
     def _install_hooks(self) -> None:
         root = self.model
@@ -338,12 +367,13 @@ class Engine:
             g = e.working.grad
             if g is None:
                 continue
+            g = local(g)
             if sampled:  # the gradient as the working copy's format holds it (still loss-scaled)
                 self.telemetry.record_cast(self.step_count, e.name, "weight_grad", self.weights_fmt, g)
             if emulated_weights:  # a parameter stored in fp16 has an fp16 gradient
                 g = round_to(g, self.weights_fmt)
             if e.grad_buf is None:
-                e.grad_buf = torch.zeros(e.working.shape, dtype=torch.float32, device=g.device)
+                e.grad_buf = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             if not self._accumulating:
                 e.grad_buf.copy_(g)
             else:
@@ -378,10 +408,10 @@ class Engine:
         no_master = self.policy.master is None
         if no_master:
             for e in self.entries:
-                e.master.data = e.working.detach().float()
+                e.master.data = e.stored().float()
         for e in entries:
             e.master.grad = e.grad_buf
-        before = {id(e): (e.master.detach().clone(), e.working.detach().clone()) for e in entries} if sampled else {}
+        before = {id(e): (e.master.detach().clone(), e.stored().clone()) for e in entries} if sampled else {}
         self.states.unpack()
         self.optimizer.step()
         self.states.pack()
@@ -391,7 +421,7 @@ class Engine:
                 m0, w0 = before[id(e)]
                 intended = m0 != e.master.detach()
                 n_int = int(intended.sum())
-                stored = e.master.detach() if not no_master else e.working.detach()
+                stored = e.master.detach() if not no_master else e.stored()
                 stored0 = m0 if not no_master else w0
                 n_landed = int((intended & (stored != stored0)).sum())
                 self.telemetry.record_lost_updates(self.step_count, e.name, n_int, n_landed)
@@ -413,7 +443,7 @@ class Engine:
             if no_master:
                 gen = self.generators["update"]
                 for e in self.entries:
-                    land_update(e.working.data, e.master.data, self.weights_fmt, pol.update_rounding,
+                    land_update(e.stored(), e.master.data, self.weights_fmt, pol.update_rounding,
                                 e.compensation, gen)
                 return
             if get_format(pol.master).name != "fp32":
@@ -467,9 +497,10 @@ class Engine:
         optimizer states, compensation buffers."""
         def nb(t):
             return 0 if t is None else t.numel() * t.element_size()
-        working = sum(nb(e.working.data) for e in self.entries) + sum(nb(p.data) for _, p in self.plain_params)
+        working = sum(nb(e.stored()) for e in self.entries) + sum(nb(local(p.data)) for _, p in self.plain_params)
         master = sum(nb(e.master.data) for e in self.entries)
-        grads = sum(nb(e.grad_buf) for e in self.entries) + sum(nb(p.grad) for _, p in self.plain_params)
+        grads = sum(nb(e.grad_buf) for e in self.entries) + \
+            sum(nb(local(p.grad)) for _, p in self.plain_params if p.grad is not None)
         comp = sum(nb(e.compensation) for e in self.entries)
         states = self.states.nbytes()
         return {"weights": working, "master": master, "grads": grads, "optimizer_states": states,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .shards import agreeing_group, local
+
 _F32 = np.float32
 
 
@@ -38,7 +40,8 @@ class LossScaler:
         Sharded gradients (DTensors, as FSDP2 leaves them) are checked shard by shard and the
         verdict is agreed across the ranks (an all-reduce of the flag), so that every rank skips
         the same steps even when only one rank's shard overflowed."""
-        grads, group = _local_shards(grads)
+        group = agreeing_group(grads)
+        grads = [local(g) for g in grads]
         if not grads:
             return False
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
@@ -86,21 +89,3 @@ class LossScaler:
         self.history = [float(v) for v in state["history"]]
         self.skipped_steps = int(state["skipped_steps"])
 
-
-def _local_shards(grads: list[torch.Tensor]):
-    """(plain tensors to check and unscale, the process group whose ranks must agree or None):
-    a DTensor gives its local shard (writing to it writes the DTensor); ranks agree over the
-    DTensor's 1-D mesh, or over all ranks ("world") for larger meshes."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return grads, None
-    out, group = [], None
-    for g in grads:
-        if isinstance(g, DTensor):
-            if group is None:
-                mesh = g.device_mesh
-                group = mesh.get_group() if mesh.ndim == 1 else "world"
-            g = g.to_local()
-        out.append(g)
-    return out, group
