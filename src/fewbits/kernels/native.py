@@ -106,7 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_quantize_rows_int8.restype = None
     lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
     lib.fb_scale_rows.restype = None
-    lib.fb_lut4_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, i64, p, i64, i64]
+    lib.fb_lut4_matmul.argtypes = [p, p, p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p, i64, i64]
     lib.fb_lut4_matmul.restype = i32
 
 
@@ -231,12 +231,14 @@ def lut4_supported(row_len: int, group: int) -> bool:
     return row_len % 32 == 0 and group % 16 == 0 and group >= 16 and row_len % group == 0
 
 
-def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                table: torch.Tensor, n: int, row_len: int, group: int) -> torch.Tensor:
-    """x [M, k <= row_len] float32 @ W.T -> [M, n] float32, W[r, c] = table[code] * scales[r,
+def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales, table: torch.Tensor, n: int,
+                row_len: int, group: int) -> torch.Tensor:
+    """x [M, k <= row_len] float32 @ W.T -> [M, n] float32, W[r, c] = table[code] * scale[r,
     c // group] with 4-bit codes packed low-first, row_len / 2 bytes per row (columns from k on
-    are padding: x is read as zero there). The output rows are shared out over torch's OpenMP
-    threads (where the library was built with OpenMP)."""
+    are padding: x is read as zero there). `scales`: float32 [n or 1, groups], or a tuple
+    (byte codes [n, groups], float32 table [256], multiplier) for scales kept coded, each
+    table[code] * multiplier (one float32 product). The output rows are shared out over torch's
+    OpenMP threads (where the library was built with OpenMP)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > row_len:
         raise ValueError(f"x must be float32 [M, <= {row_len}], got {x.dtype} {tuple(x.shape)}")
     if not lut4_supported(row_len, group):
@@ -244,7 +246,16 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
     if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
         raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
     groups = row_len // group
-    scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
+    if isinstance(scales, tuple):
+        scale_codes, scale_table, scale_mul = scales
+        scale_codes = scale_codes.reshape(-1).contiguous()
+        scale_table = scale_table.to(torch.float32).contiguous()
+        if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
+            raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
+        scale_args = (None, scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul))
+    else:
+        scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
+        scale_args = (scales.data_ptr(), None, None, 1.0)
     table = table.to(torch.float32).contiguous()
     if table.numel() != 16:
         raise ValueError(f"the table needs 16 values, got {table.numel()}")
@@ -255,12 +266,8 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: 
         xs = x[m0:m0 + LUT4_MAX_ROWS]
         xp = torch.nn.functional.pad(xs, (0, row_len - xs.shape[1])) if xs.shape[1] < row_len else xs
         xe, xo = xp[:, 0::2].contiguous(), xp[:, 1::2].contiguous()
-        ys = y[m0:m0 + LUT4_MAX_ROWS]
-        out = ys if ys.is_contiguous() else torch.empty_like(ys)
-        args = (xe.data_ptr(), xo.data_ptr(), codes.data_ptr(), scales.data_ptr(), table.data_ptr(),
-                xs.shape[0], n, row_len, group, out.data_ptr())
-        if lib.fb_lut4_matmul(*args, 0, n):
+        out = y[m0:m0 + LUT4_MAX_ROWS]
+        if lib.fb_lut4_matmul(xe.data_ptr(), xo.data_ptr(), codes.data_ptr(), *scale_args, table.data_ptr(),
+                              xs.shape[0], n, row_len, group, out.data_ptr(), 0, n):
             raise RuntimeError("fb_lut4_matmul refused its arguments")
-        if out is not ys:
-            ys.copy_(out)
     return y

@@ -152,6 +152,19 @@ class _RowDecoder:
         # 4-bit codes scaled per group, no zero point or minimum: the fused C matmul can read them
         self.lut4 = bits == 4 and s.symmetric and native.lut4_supported(self.row_len, self.group_len)
 
+    def coded_scales(self):
+        """(byte codes [rows, groups], float32 table [256], multiplier) for MX and NVFP4 scales,
+        whose values are table[code] * multiplier with dequantize()'s arithmetic; else None."""
+        s = self.qt.scheme
+        if s.double_quant or s.granularity not in ("mx", "nvfp4"):
+            return None
+        if getattr(self, "_scale_table", None) is None:
+            every = torch.arange(256, dtype=torch.uint8)
+            self._scale_table = (sc.mx_scale_values(every, s) if s.granularity == "mx"
+                                 else sc.nvfp4_scale_values(every, torch.ones((), dtype=torch.float32)))
+        mul = 1.0 if s.granularity == "mx" else float(self.qt.tensor_scale)
+        return self.qt.scales, self._scale_table, mul
+
     @staticmethod
     def supports(qt: QuantizedTensor) -> bool:
         s = qt.scheme
@@ -553,8 +566,12 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         lib = (native.library() if dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
                and x2d.device.type == "cpu" else None)
         if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
-            with ops.one_thread():  # small next to the codes: a parallel region costs more
-                scales, zps = dec.params()
+            coded = dec.coded_scales()
+            if coded is not None:  # decoded inside the kernel, a row at a time
+                scales, zps = coded, (None, None)
+            else:
+                with ops.one_thread():  # small next to the codes: a parallel region costs more
+                    scales, zps = dec.params()
             if zps == (None, None):
                 y = native.lut4_matmul(lib, x2d, self._qweight.codes, scales, ops.value_table(dec.fmt), n,
                                        dec.row_len, dec.group_len)

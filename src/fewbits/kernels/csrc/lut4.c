@@ -52,10 +52,9 @@ static inline float hsum(vf v) {
 static inline vf step_scales(const float *srow, int64_t j, int64_t group) {
     const int64_t k0 = 2 * j;
     if (group >= 32) return (vf){0} + srow[k0 / group];
-    vf s;
-    const float s0 = srow[k0 / 16], s1 = srow[k0 / 16 + 1];
-    for (int l = 0; l < L; l++) s[l] = l < 8 ? s0 : s1;
-    return s;
+    const vi first_half = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    vi s0 = (vi)((vf){0} + srow[k0 / 16]), s1 = (vi)((vf){0} + srow[k0 / 16 + 1]);
+    return (vf)((s0 & first_half) | (s1 & ~first_half));
 }
 
 /* One output row n for MR rows of x (MR a compile-time constant: the accumulators stay in
@@ -94,12 +93,17 @@ DEFINE_ROW(8)
 
 /* y[m, n] for n in [n0, n1), m < M <= MAX_M.
  * xe, xo: [M, K/2] float32, the even and odd columns of x (zero-padded to K).
- * codes: [N, K/2] bytes; scales: [N, K / group] float32 (group a multiple of 16); table: 16 floats.
+ * codes: [N, K/2] bytes; table: 16 floats; group a multiple of 16.
+ * The scales: float32 [N, K / group] in `scales`, or (scales NULL) coded as bytes [N, K / group]
+ * in `scale_codes`, each standing for scale_table[code] * scale_mul (one float32 product, as
+ * fewbits computes NVFP4's E4M3 block scale times its tensor scale, or an MX E8M0 scale).
  * Returns 0, or -1 for an unsupported shape. */
 int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, const float *scales,
+                       const uint8_t *scale_codes, const float *scale_table, float scale_mul,
                        const float *table16, int64_t M, int64_t N, int64_t K, int64_t group,
                        float *y, int64_t n0, int64_t n1) {
     if (M < 1 || M > MAX_M || K % 32 != 0 || group % 16 != 0 || group < 16 || K % group != 0) return -1;
+    if (!scales && (!scale_codes || !scale_table)) return -1;
     vf table;
     memcpy(&table, table16, sizeof table);
     const int64_t half = K / 2, groups = K / group;
@@ -108,7 +112,12 @@ int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, c
 #pragma omp parallel for schedule(static) if (n1 - n0 >= 64)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = codes + n * half;
+        float decoded[groups]; /* this row's scales, when they come coded */
         const float *srow = scales + n * groups;
+        if (!scales) {
+            for (int64_t g = 0; g < groups; g++) decoded[g] = scale_table[scale_codes[n * groups + g]] * scale_mul;
+            srow = decoded;
+        }
         switch (M) {
         case 1: row_1(xe, xo, row, srow, table, half, group, y, N, n); break;
         case 2: row_2(xe, xo, row, srow, table, half, group, y, N, n); break;
