@@ -203,11 +203,38 @@ def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
             torch.testing.assert_close(fused, m(x), rtol=1e-5, atol=1e-5 * float(fused.abs().max()))
     if name in ("nf4", "mxfp4", "nf4_dq", "int4_g32"):
         assert used, f"{name}: the fused matmul never ran"
-    n_big = qm.LUT4_MAX_BATCH + 1  # beyond it: decode-then-GEMM
+    n_big = qm.LUT4_MAX_BATCH + 1  # beyond it: blocks decoded by C, then a GEMM
+    decodes = []
+    real_decode = native.lut4_decode
+    monkeypatch.setattr(native, "lut4_decode", lambda *a, **k: decodes.append(a[-2:]) or real_decode(*a, **k))
     m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant")
     before = len(calls)
     assert_close_to_reference(m, _x((n_big, 256)))
-    assert len(calls) == before
+    assert len(calls) == before and (decodes or not m._decoder.lut4)
+
+
+@pytest.mark.parametrize("name", FOUR_BIT)
+def test_c_decode_of_4bit_codes_is_dequantize_bit_for_bit(name):
+    from fewbits.kernels import native
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.status()["reason"])
+    for shape in [(64, 96), (48, 256), (32, 200), (17, 512)]:
+        qt = quantize(torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 3, name)
+        dec = qm._RowDecoder(qt)
+        if not dec.lut4:
+            continue
+        scales, offsets = dec.params()
+        assert offsets == (None, None), name  # symmetric 4-bit: a scale per group, nothing else
+        coded = dec.coded_scales()
+        for sc_arg in ([scales] + ([coded] if coded is not None else [])):
+            w = native.lut4_decode(lib, qt.codes, sc_arg, ops.value_table(dec.fmt), shape[0], dec.row_len,
+                                   dec.group_len, 0, shape[0])[:, : shape[1]]
+            ref = qt.dequantize(torch.float32)
+            assert torch.equal(w.view(torch.int32), ref.view(torch.int32)), (name, shape)
+            part = native.lut4_decode(lib, qt.codes, sc_arg, ops.value_table(dec.fmt), shape[0], dec.row_len,
+                                      dec.group_len, 5, 9)[:, : shape[1]]
+            assert torch.equal(part, ref[5:9])
 
 
 def test_w8a8_activation_quantization_equals_quantize_exactly():

@@ -108,6 +108,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_scale_rows.restype = None
     lib.fb_lut4_matmul.argtypes = [p, p, p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p, i64, i64]
     lib.fb_lut4_matmul.restype = i32
+    lib.fb_lut4_decode.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p]
+    lib.fb_lut4_decode.restype = i32
 
 
 def library() -> ctypes.CDLL | None:
@@ -245,20 +247,8 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales, 
         raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
     if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
         raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
-    groups = row_len // group
-    if isinstance(scales, tuple):
-        scale_codes, scale_table, scale_mul = scales
-        scale_codes = scale_codes.reshape(-1).contiguous()
-        scale_table = scale_table.to(torch.float32).contiguous()
-        if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
-            raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
-        scale_args = (None, scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul))
-    else:
-        scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
-        scale_args = (scales.data_ptr(), None, None, 1.0)
-    table = table.to(torch.float32).contiguous()
-    if table.numel() != 16:
-        raise ValueError(f"the table needs 16 values, got {table.numel()}")
+    scale_args, keep = _lut4_scale_args(scales, n, row_len // group)
+    table = _lut4_table(table)
     codes = codes.contiguous()
     m_all = x.shape[0]
     y = torch.empty(m_all, n, dtype=torch.float32)
@@ -271,3 +261,40 @@ def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales, 
                               xs.shape[0], n, row_len, group, out.data_ptr(), 0, n):
             raise RuntimeError("fb_lut4_matmul refused its arguments")
     return y
+
+
+def _lut4_scale_args(scales, n: int, groups: int):
+    """(the four scale arguments of the C functions, the tensors they point into)."""
+    if isinstance(scales, tuple):
+        scale_codes, scale_table, scale_mul = scales
+        scale_codes = scale_codes.reshape(-1).contiguous()
+        scale_table = scale_table.to(torch.float32).contiguous()
+        if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
+            raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
+        return (None, scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul)), (scale_codes, scale_table)
+    scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
+    return (scales.data_ptr(), None, None, 1.0), (scales,)
+
+
+def _lut4_table(table: torch.Tensor) -> torch.Tensor:
+    table = table.to(torch.float32).contiguous()
+    if table.numel() != 16:
+        raise ValueError(f"the table needs 16 values, got {table.numel()}")
+    return table
+
+
+def lut4_decode(lib: ctypes.CDLL, codes: torch.Tensor, scales, table: torch.Tensor, n: int, row_len: int,
+                group: int, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of the weight lut4_matmul reads, decoded to float32 [r1 - r0, row_len],
+    bit-identical to QuantizedTensor.dequantize() (padding columns included)."""
+    if not lut4_supported(row_len, group):
+        raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
+    if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2 or not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes, 0 <= r0 <= r1 <= {n}")
+    scale_args, keep = _lut4_scale_args(scales, n, row_len // group)
+    table = _lut4_table(table)
+    codes = codes.contiguous()
+    out = torch.empty(r1 - r0, row_len, dtype=torch.float32)
+    if lib.fb_lut4_decode(codes.data_ptr(), *scale_args, table.data_ptr(), row_len, group, r0, r1, out.data_ptr()):
+        raise RuntimeError("fb_lut4_decode refused its arguments")
+    return out

@@ -18,10 +18,11 @@ bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
 dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the codes are decoded
                and scaled in float32 (exactly QuantizedTensor.dequantize()) a block of output
                rows at a time, each block multiplied at once, so no whole float weight exists.
-               4-bit symmetric schemes (nf4, mxfp4, nvfp4, fp4, int4 where int4pack cannot) with
-               float32 inputs of up to LUT4_MAX_BATCH rows run a fused C matmul instead
-               (fewbits.kernels.native: each code read from memory once per 8 rows of x, decoded
-               in registers with the same float32 arithmetic), where a C compiler is there.
+               4-bit symmetric schemes (nf4, mxfp4, nvfp4, fp4, int4 where int4pack cannot) use
+               C kernels where a C compiler is there (fewbits.kernels.native; the same float32
+               arithmetic): float32 inputs of up to LUT4_MAX_BATCH rows a fused matmul that
+               decodes the codes in registers, once per 8 rows of x; larger batches blocks of
+               rows decoded by C, then multiplied.
 =============  ==================================================================================
 
 Every kernel is checked in tests against the slow reference `reference_forward(x)` =
@@ -213,7 +214,7 @@ class _RowDecoder:
         return self._finish(v, scales, zps, index)
 
 
-LUT4_MAX_BATCH = 64  # up to this many rows of x the fused 4-bit matmul beats decode-then-GEMM here
+LUT4_MAX_BATCH = 12  # up to this many rows of x the fused 4-bit matmul beats C decode + MKL GEMM here
 
 
 def _rows_per_block(row_len: int, bits: int) -> int:
@@ -563,32 +564,37 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if dec is None:
             return _with_bias(F.linear(x2d, self._qweight.dequantize(x2d.dtype)), bias, dtype)
         n = self.out_features
-        lib = (native.library() if dec.lut4 and x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH
-               and x2d.device.type == "cpu" else None)
-        if lib is not None:  # the codes read once per 8 rows of x, never decoded to memory
+        lib = native.library() if dec.lut4 and x2d.device.type == "cpu" else None
+        if lib is not None:  # 4-bit codes: the C kernels decode them (fewbits.kernels.native)
             coded = dec.coded_scales()
-            if coded is not None:  # decoded inside the kernel, a row at a time
-                scales, zps = coded, (None, None)
+            if coded is not None:  # MX / NVFP4 scales: decoded inside the kernels, a row at a time
+                scales = coded
             else:
                 with ops.one_thread():  # small next to the codes: a parallel region costs more
-                    scales, zps = dec.params()
-            if zps == (None, None):
-                y = native.lut4_matmul(lib, x2d, self._qweight.codes, scales, ops.value_table(dec.fmt), n,
-                                       dec.row_len, dec.group_len)
+                    scales, _ = dec.params()
+            codes, table = self._qweight.codes, ops.value_table(dec.fmt)
+            if x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH:
+                # the codes read once per 8 rows of x, never decoded to memory
+                y = native.lut4_matmul(lib, x2d, codes, scales, table, n, dec.row_len, dec.group_len)
                 with ops.one_thread_if_small(y.numel()):
                     return _with_bias(y, bias, dtype)
+
+            def block(r0, r1):
+                return native.lut4_decode(lib, codes, scales, table, n, dec.row_len, dec.group_len, r0, r1)[:, : dec.cols]
         else:
             scales, zps = dec.params()
+
+            def block(r0, r1):
+                with ops.one_thread_if_small(0):  # a block is small: decoding it gains little from threads
+                    return dec.block(r0, r1, scales, zps)
         step = _rows_per_block(dec.row_len, dec.fmt.bits)
         if step >= n:
-            return _with_bias(F.linear(x2d, dec.block(0, n, scales, zps).to(x2d.dtype)), bias, dtype)
+            return _with_bias(F.linear(x2d, block(0, n).to(x2d.dtype)), bias, dtype)
         x_t = x2d.t()
         y_t = torch.empty(n, x2d.shape[0], dtype=x2d.dtype)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            with ops.one_thread_if_small(0):  # a block is small: decoding it gains little from threads
-                w = dec.block(r0, r1, scales, zps).to(x2d.dtype)
-            torch.mm(w, x_t, out=y_t[r0:r1])
+            torch.mm(block(r0, r1).to(x2d.dtype), x_t, out=y_t[r0:r1])
         with ops.one_thread_if_small(y_t.numel()):
             return _with_bias(y_t.t(), bias, dtype)
 

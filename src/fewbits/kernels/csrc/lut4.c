@@ -131,3 +131,49 @@ int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, c
     }
     return 0;
 }
+
+/* W rows [r0, r1) decoded to float32, out [(r1 - r0), K]: the same decode as fb_lut4_matmul
+ * (table value times scale, one float32 rounding: exactly QuantizedTensor.dequantize()), for
+ * batches large enough that a GEMM on decoded blocks wins. Scales as in fb_lut4_matmul.
+ * Returns 0, or -1 for an unsupported shape. */
+int32_t fb_lut4_decode(const uint8_t *codes, const float *scales, const uint8_t *scale_codes,
+                       const float *scale_table, float scale_mul, const float *table16, int64_t K,
+                       int64_t group, int64_t r0, int64_t r1, float *out) {
+    if (K % 32 != 0 || group % 16 != 0 || group < 16 || K % group != 0) return -1;
+    if (!scales && (!scale_codes || !scale_table)) return -1;
+    vf table;
+    memcpy(&table, table16, sizeof table);
+    const int64_t half = K / 2, groups = K / group;
+    const vi first = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const vi second = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
+    for (int64_t n = r0; n < r1; n++) {
+        const uint8_t *row = codes + n * half;
+        float decoded[groups];
+        const float *srow = scales + n * groups;
+        if (!scales) {
+            for (int64_t g = 0; g < groups; g++) decoded[g] = scale_table[scale_codes[n * groups + g]] * scale_mul;
+            srow = decoded;
+        }
+        float *o = out + (n - r0) * K;
+        for (int64_t j = 0; j < half; j += L) {
+            vb bytes;
+            memcpy(&bytes, row + j, sizeof bytes);
+            vi b = __builtin_convertvector(bytes, vi);
+            vf s = step_scales(srow, j, group);
+            vf lo = lookup(table, b & 15) * s, hi = lookup(table, b >> 4) * s;
+#if defined(__GNUC__) && !defined(__clang__)
+            vf a = __builtin_shuffle(lo, hi, first), c = __builtin_shuffle(lo, hi, second);
+#else
+            vf a, c;
+            for (int l = 0; l < L; l++) {
+                a[l] = l % 2 ? hi[l / 2] : lo[l / 2];
+                c[l] = l % 2 ? hi[8 + l / 2] : lo[8 + l / 2];
+            }
+#endif
+            memcpy(o + 2 * j, &a, sizeof a);
+            memcpy(o + 2 * j + L, &c, sizeof c);
+        }
+    }
+    return 0;
+}
