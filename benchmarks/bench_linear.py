@@ -16,9 +16,9 @@ more than the caches, as in a real model) runs at batch 1 and batch 64 in each v
   int8              int8 per-channel weight-only (aten._weight_int8pack_mm, bf16 activations)
   int4 g128 / g32   int4 weight-only, groups of 128 / 32 (aten._weight_int4pack_mm_for_cpu)
   bf16              bf16 weights (oneDNN bf16 GEMM)
-  nf4, mxfp4, nvfp4 the dequant kernel: up to 64 rows of input, fewbits' C matmul that decodes the
+  nf4, mxfp4, nvfp4 the dequant kernel: up to 12 rows of input, fewbits' C matmul that decodes the
                     4-bit codes in registers (fewbits.kernels.native); beyond, blocks of rows
-                    decoded to float32 and multiplied by MKL
+                    decoded to float32 by C and multiplied by MKL
 
 Timing: after warm-up, the variants run round-robin (one forward each per round) so that every
 variant sees the same machine load; the median and the minimum of the rounds are shown, in ms per
