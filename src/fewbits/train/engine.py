@@ -4,7 +4,9 @@ What it does to the model (once, at construction):
   * parameters outside fp32-kept modules get a low-precision working copy (a new nn.Parameter
     put into the module); the optimizer keeps the original fp32 Parameter objects, which become
     the master weights. Without a master (bf16-pure) the original objects still serve as the
-    optimizer's float32 view of the weights, but hold data only during step().
+    optimizer's float32 view of the weights, but hold data only during step(). Under FSDP2 with
+    no master (fully_shard_with_policy) the sharded bf16 parameters stay in the module and the
+    optimizer gets a float32 shadow of this rank's shard instead, in the same way.
   * hooks: fp32-kept modules (norms, softmax, losses by default) run in fp32; the model's floating
     outputs come back as fp32, so the loss is computed in fp32. A LayerNorm on a CPU takes its
     bf16 input as it is: torch's kernel computes in fp32 from the (exactly widened) input with
@@ -84,7 +86,7 @@ class _Entry:
 
     def stored(self) -> torch.Tensor:
         """The working weight's data: this rank's shard when FSDP2 shards it (a view)."""
-        return local(self.working.data) if is_dtensor(self.working) else self.working.data
+        return local(self.working.data)
 
 
 @dataclass
