@@ -1,7 +1,6 @@
 """DDP with 2 gloo processes on loopback: policies work, and the compressed comm hook averages
 gradients identically on every rank while sending a quarter (fp8) or half (bf16) of fp32's bytes."""
 import os
-import socket
 
 import pytest
 import torch
@@ -10,13 +9,7 @@ import torch.multiprocessing as mp
 from fewbits.train.distributed import CompressedComm
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, configs, out_dir):
+def _worker(rank, world, store, configs, out_dir):
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,8 +20,8 @@ def _worker(rank, world, port, configs, out_dir):
     from fewbits.train.tasks import digits_data
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no TCP port to pick and lose to another process between picking and binding
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         with fb.use_backend("eager"):
             for policy, fmt in configs:
@@ -63,7 +56,7 @@ CONFIGS = [("bf16-mixed", None, None), ("bf16-pure-sr", "bf16", 0.5), ("fp8-hybr
 
 @pytest.mark.slow  # two processes importing torch: ~20 s on 2 busy cores
 def test_ddp_two_gloo_processes(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), [c[:2] for c in CONFIGS], str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), [c[:2] for c in CONFIGS], str(tmp_path)), nprocs=2, join=True)
     for policy, fmt, ratio in CONFIGS:
         r0, r1 = (torch.load(tmp_path / f"{policy}-{fmt}-rank{r}.pt") for r in range(2))
         assert torch.equal(r0["masters"], r1["masters"]), policy  # the ranks stay in lock step

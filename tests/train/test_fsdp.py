@@ -4,7 +4,6 @@ the bf16 working copy, and the Engine on the sharded model does the emulated cas
 Checked against the ordinary single-process Engine: exactly with a world of one (in this
 process), to a tolerance with 2 gloo processes on loopback (each rank its half of the batch)."""
 import os
-import socket
 
 import pytest
 import torch
@@ -18,12 +17,6 @@ from fewbits.train.distributed import fully_shard_with_policy
 # FSDP2 warns that the root's output is a view (the Engine's straight-through cast of the last
 # matmul); the Engine's root hook copies it to fp32 out of place, so nothing in-place touches it.
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -112,14 +105,14 @@ def test_one_process_matches_plain_engine_exactly(tmp_path):
         dist.destroy_process_group()
 
 
-def _worker(rank, world, port, policies, steps, out_dir):
+def _worker(rank, world, store, policies, steps, out_dir):
     import torch.distributed as dist
 
     import fewbits as fb
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no TCP port to pick and lose to another process between picking and binding
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         with fb.use_backend("eager"):
             batches = _batches(world, steps, 64)
@@ -168,7 +161,7 @@ CASES = [("bf16-mixed", 0.0), (Policy.preset("fp8-hybrid").replace(name="fp8-cur
 @pytest.mark.slow  # two processes importing torch: ~15 s on 2 busy cores
 def test_fsdp2_two_gloo_processes(tmp_path):
     policies = [p for p, _ in CASES]
-    mp.spawn(_worker, args=(2, _free_port(), policies, STEPS, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), policies, STEPS, str(tmp_path)), nprocs=2, join=True)
     batches = _batches(2, STEPS, 64)
     for i, (policy, tol) in enumerate(CASES):
         r0, r1 = (torch.load(tmp_path / f"{i}-rank{r}.pt") for r in range(2))
@@ -191,7 +184,7 @@ def test_fsdp2_two_gloo_processes(tmp_path):
         assert torch.load(tmp_path / f"scaler-rank{r}.pt") == [(False, 2.0), (True, 2.0)]
 
 
-def _resume_worker(rank, world, port, out_dir):
+def _resume_worker(rank, world, store, out_dir):
     """For each policy: 6 steps straight, and 3 steps + checkpoint (each rank its own file) + a
     fresh sharded model and engine loading it + 3 steps: the two must end bit-identical."""
     import torch.distributed as dist
@@ -199,8 +192,8 @@ def _resume_worker(rank, world, port, out_dir):
     from fewbits.train.tasks import digits_data
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no TCP port to pick and lose to another process between picking and binding
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         x, y = digits_data()
         batches = _batches(world, 6, 32)
@@ -249,7 +242,7 @@ def _resume_one(rank, policy, x, y, batches, out_dir):
 
 @pytest.mark.slow  # two processes importing torch
 def test_fsdp2_sharded_checkpoint_resumes_bit_identically(tmp_path):
-    mp.spawn(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_resume_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     for name, scale in (("bf16-scaled", 2.0 ** 19), ("bf16-pure-sr", 1.0), ("bf16-pure-kahan", 1.0)):
         for r in range(2):
             res = torch.load(tmp_path / f"resume-{name}-rank{r}.pt")
