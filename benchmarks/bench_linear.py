@@ -16,6 +16,9 @@ more than the caches, as in a real model) runs at batch 1 and batch 64 in each v
   int8              int8 per-channel weight-only (aten._weight_int8pack_mm, bf16 activations)
   int4 g128 / g32   int4 weight-only, groups of 128 / 32 (aten._weight_int4pack_mm_for_cpu)
   bf16              bf16 weights (oneDNN bf16 GEMM)
+  bitsandbytes nf4  bnb.nn.Linear4bit(quant_type="nf4"), float32 compute, on this CPU (its fast CPU
+                    kernel comes from the `kernels` package and the model hub, which this machine
+                    cannot reach: what runs is bitsandbytes' own fallback); skipped if bnb is absent
   nf4, mxfp4, nvfp4 the dequant kernel: up to 12 rows of input, fewbits' C matmul that decodes the
                     4-bit codes in registers (fewbits.kernels.native); beyond, blocks of rows
                     decoded to float32 by C and multiplied by MKL
@@ -67,6 +70,7 @@ VARIANTS = [  # (label, fewbits scheme or None, forced kernel or None)
     ("nf4", "nf4", None),
     ("mxfp4", "mxfp4", None),
     ("nvfp4", "nvfp4", None),
+    ("bitsandbytes nf4", None, None),
 ]
 
 
@@ -79,6 +83,15 @@ def build(fp32: nn.Sequential, label: str, scheme, kernel):
             q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8)
         # fbgemm holds one prepacked int8 copy of each weight (plus per-tensor scale/zero point)
         return q, sum(m.weight.numel() for m in fp32), "fbgemm"
+    if label == "bitsandbytes nf4":  # bnb.nn.Linear4bit: NF4 in blocks of 64, float32 compute
+        import bitsandbytes as bnb
+        layers = []
+        for m in fp32:
+            q = bnb.nn.Linear4bit(m.in_features, m.out_features, quant_type="nf4", compute_dtype=torch.float32)
+            q.load_state_dict(m.state_dict())
+            layers.append(q.to("cpu"))
+        held = sum(q.weight.numel() + q.weight.quant_state.absmax.numel() * 4 for q in layers)
+        return nn.Sequential(*layers), held, "bnb cpu"
     if kernel == "torch-ops":
         layers = [QuantLinear.from_linear(m, scheme) for m in fp32]
         return _TorchOps(*layers), sum(m.nbytes for m in layers), layers[0].kernel
@@ -133,7 +146,11 @@ def main(argv=None) -> int:
     built = {}
     for label, scheme, kernel in variants:
         t = time.perf_counter()
-        built[label] = build(fp32, label, scheme, kernel)
+        try:
+            built[label] = build(fp32, label, scheme, kernel)
+        except ImportError as e:  # an optional comparison (bitsandbytes) that is not installed
+            print(f"# skipped {label}: {e}", flush=True)
+            continue
         print(f"# built {label:<17} kernel={built[label][2]:<12} in {time.perf_counter() - t:6.1f} s", flush=True)
 
     fp32_bytes = built["fp32"][1]
