@@ -162,25 +162,17 @@ class _Grid:
             scale, mins = sc.float_min_params(view, valid, s)
             self.minimum[g] = mins[:, 0].contiguous()
         elif s.symmetric:
-            scale = sc.symmetric_scales(view, valid, s, self._qdq_symmetric)
+            scale = sc.symmetric_scales(view, valid, s, self._round_nearest)
             self.zero[g] = None
         else:
-            scale, zp = sc.asymmetric_params(view, valid, s, self._qdq_asymmetric)
+            scale, zp = sc.asymmetric_params(view, valid, s, self._round_nearest)
             self.zero[g] = zp[:, 0].to(torch.float32)
         self.scale[g] = scale[:, 0].contiguous()
         self.inv[g] = sc.reciprocal(self.scale[g])
 
-    # the quantize-dequantize functions the MSE scale search uses, as quantize() defines them
+    # the element rounding the MSE scale search uses, as quantize() defines it
     def _round_nearest(self, y):
         return fb_round(y, self.fmt, mode="nearest_even", overflow="saturate")
-
-    def _qdq_symmetric(self, view, scale):
-        return self._round_nearest(sc.times_reciprocal(view, scale)) * scale.unsqueeze(-1)
-
-    def _qdq_asymmetric(self, view, scale_zero):
-        scale, zero = scale_zero
-        q = self._round_nearest(sc.times_reciprocal(view, scale) + zero.unsqueeze(-1))
-        return (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
 
     # --- rounding ------------------------------------------------------------------------------
     def group_of(self, col: int) -> int:

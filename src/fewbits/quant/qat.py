@@ -80,19 +80,10 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
         mins = mins.unsqueeze(-1)
         y = sc.times_reciprocal(g - mins, scale)
     elif scheme.symmetric:
-        def qdq(gg, s):
-            r = _round_elements(sc.times_reciprocal(gg, s), fmt)
-            return r * s.unsqueeze(-1)
-
-        scale = sc.symmetric_scales(g, valid, scheme, qdq)
+        scale = sc.symmetric_scales(g, valid, scheme, lambda y: _round_elements(y, fmt))
         y = sc.times_reciprocal(g, scale)
     else:
-        def qdq(gg, sz):
-            s, z = sz
-            r = _round_elements(sc.times_reciprocal(gg, s) + z.unsqueeze(-1), fmt)
-            return (r - z.unsqueeze(-1)) * s.unsqueeze(-1)
-
-        scale, zp = sc.asymmetric_params(g, valid, scheme, qdq)
+        scale, zp = sc.asymmetric_params(g, valid, scheme, lambda y: _round_elements(y, fmt))
         zp = zp.to(torch.float32).unsqueeze(-1)
         y = sc.times_reciprocal(g, scale) + zp
     if scheme.double_quant:  # the elements were scaled by the exact scales, stored ones are approximate

@@ -71,10 +71,11 @@ def times_reciprocal(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # symmetric and asymmetric scales
 # ---------------------------------------------------------------------------------------------
-def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequantize) -> torch.Tensor:
+def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, round_elements) -> torch.Tensor:
     """Float32 scales [rows, groups] by the scheme's scale_method, rounded to its scale format.
 
-    quantize_dequantize(g, scale) -> the dequantized group view (used by the MSE search).
+    round_elements(y) -> y rounded to the element grid, as the caller quantizes (used by the MSE
+    search to quantize and dequantize each candidate with quantize()'s arithmetic).
     """
     emax = element_max(scheme)
     if scheme.scale_method == "percentile":
@@ -84,12 +85,16 @@ def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequa
     base = amax / emax
     if scheme.scale_method != "mse":
         return round_scales(base, scheme.scale_format)
+    def quantize_dequantize(gg, scale):
+        return round_elements(times_reciprocal(gg, scale)) * scale.unsqueeze(-1)
+
     return _mse_search(g, valid, scheme, lambda r: round_scales(base * r, scheme.scale_format),
                        quantize_dequantize)
 
 
-def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequantize):
-    """(scale float32, zero_point int64) [rows, groups] for an unsigned grid 0..2^b-1.
+def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, round_elements):
+    """(scale float32, zero_point int64) [rows, groups] for an unsigned grid 0..2^b-1
+    (round_elements as in symmetric_scales).
 
     The range always contains 0, so zero is exact: lo = min(min, 0), hi = max(max, 0);
     scale = (hi - lo) / (2^b - 1); zero_point = round(-lo / scale).
@@ -113,6 +118,11 @@ def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, quantize_dequ
     if scheme.scale_method != "mse":
         s, z = params(1.0)
         return s, z.to(torch.int64)
+    def quantize_dequantize(gg, scale_zero):
+        scale, zero = scale_zero
+        q = round_elements(times_reciprocal(gg, scale) + zero.unsqueeze(-1))
+        return (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+
     s, z = _mse_search(g, valid, scheme, params, quantize_dequantize)
     return s, z.to(torch.int64)
 

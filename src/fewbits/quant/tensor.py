@@ -341,19 +341,11 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
         parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
     elif scheme.symmetric:
-        def qdq(gg, s):
-            return _round_elements(sc.times_reciprocal(gg, s), scheme) * s.unsqueeze(-1)
-
-        scale = sc.symmetric_scales(g, valid, scheme, qdq)
+        scale = sc.symmetric_scales(g, valid, scheme, lambda y: _round_elements(y, scheme))
         y = sc.times_reciprocal(g, scale)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
     else:
-        def qdq(gg, sz):
-            s, z = sz
-            q = _round_elements(sc.times_reciprocal(gg, s) + z.unsqueeze(-1), scheme)
-            return (q - z.unsqueeze(-1)) * s.unsqueeze(-1)
-
-        scale, zp = sc.asymmetric_params(g, valid, scheme, qdq)
+        scale, zp = sc.asymmetric_params(g, valid, scheme, lambda y: _round_elements(y, scheme))
         y = sc.times_reciprocal(g, scale) + zp.unsqueeze(-1).to(torch.float32)
         parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
         parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
