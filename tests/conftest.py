@@ -29,3 +29,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# The accelerator the device tests (tests/*/test_device_*.py) run on: CUDA when there is one,
+# else they skip. FEWBITS_TEST_DEVICE=cpu runs them against the CPU itself, which checks the
+# tests' own logic on a machine without a GPU.
+ACCEL_DEVICE = os.environ.get("FEWBITS_TEST_DEVICE", "cuda")
+
+
+@pytest.fixture
+def accel() -> torch.device:
+    if ACCEL_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device(ACCEL_DEVICE)

@@ -92,25 +92,30 @@ class Format(ABC):
         otherwise the largest finite value (saturate). NaN on overflow is available on request."""
         return "inf" if self.has_inf else "saturate"
 
-    def preset_overflow(self, library: str) -> str:
+    def preset_overflow(self, library: str, device: str = "cpu") -> str:
         """The overflow policy that reproduces a library's casts to this format:
-        'torch' saturates OCP E4M3 (inf too) and gives inf for IEEE-style formats; 'ml_dtypes'
-        gives NaN wherever the format has NaN but no inf; both give NaN for fnuz formats."""
+        'torch' saturates OCP E4M3 (inf too) on a CPU and gives inf for IEEE-style formats;
+        'ml_dtypes' gives NaN wherever the format has NaN but no inf; both give NaN for fnuz
+        formats. torch's CUDA casts differ from its CPU casts for OCP E4M3: they give NaN
+        (seen with torch 2.11 on an H200), so device="cuda" (the device type of the tensor
+        being rounded) selects that."""
         if library not in OVERFLOW_PRESETS:
             raise ValueError(f"unknown preset {library!r}; choose one of {', '.join(OVERFLOW_PRESETS)}")
         if self.has_inf:
             return "inf"
-        torch_saturates = library == "torch" and getattr(self, "specials", None) == "fn" and self.signed
+        torch_saturates = (library == "torch" and device == "cpu" and getattr(self, "specials", None) == "fn"
+                           and self.signed)
         if self.has_nan and not torch_saturates:  # torch saturates float8_e4m3fn, not e8m0fnu
             return "nan"
         return "saturate"
 
-    def check_overflow(self, overflow: str | None) -> str:
-        """Resolve and validate an overflow policy (or a preset name) for this format."""
+    def check_overflow(self, overflow: str | None, device: str = "cpu") -> str:
+        """Resolve and validate an overflow policy (or a preset name, for values on a device of
+        type `device`) for this format."""
         if overflow is None:
             return self.default_overflow
         if overflow in OVERFLOW_PRESETS:
-            return self.preset_overflow(overflow)
+            return self.preset_overflow(overflow, device)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(
                 f"unknown overflow policy {overflow!r}; choose one of "

@@ -55,11 +55,12 @@ def compiled(fn):
             key = tuple(sorted(static.items()))
             if key not in cache:
                 cache[key] = torch.compile(_bind(fn, static), fullgraph=True)
+                _variants[0] += 1
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() == 1 and a.numel() == numel:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
             try:
-                return cache[key](*args)
+                return _call(cache[key], args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
                 if _setting() in ("always",):
                     raise
@@ -69,6 +70,32 @@ def compiled(fn):
         return fn(*args, **static)
 
     return run
+
+
+_variants = [0]  # compiled variants made in this process, all kernels together
+
+
+def _call(compiled_fn, args):
+    """compiled_fn(*args) with dynamo's recompile limits raised to cover fewbits' variants. Some
+    torch versions (2.11 seen on CUDA) compile every torch.compile'd function through one shared
+    wrapper code object, so our variants (one per format range, mode and kernel) count against
+    that object's limit of 8 and the 9th fails; the limits are raised only during our call."""
+    cfg = torch._dynamo.config
+    need = _variants[0] + 8
+    saved = {name: getattr(cfg, name) for name in _LIMITS
+             if hasattr(cfg, name) and getattr(cfg, name) < need}
+    if not saved:
+        return compiled_fn(*args)
+    for name in saved:
+        setattr(cfg, name, need)
+    try:
+        return compiled_fn(*args)
+    finally:
+        for name, value in saved.items():
+            setattr(cfg, name, value)
+
+
+_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit")
 
 
 def _bind(fn, static: dict):

@@ -215,10 +215,14 @@ def _fixed_bits(a, neg, p, mode: str, P: int, itype, fdtype):
     return (kept + inc) << k
 
 
-def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False):
+def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False, ftz: bool = False):
     """Formats whose smallest step is a normal number of the domain: y = |x| / step is exact,
     round y to an integer in the mode, multiply back (exact). Magnitudes beyond 4x the format's
-    range are clamped first (they overflow either way), so the scaling never leaves the domain."""
+    range are clamped first (they overflow either way), so the scaling never leaves the domain.
+
+    ftz: the arithmetic flushes subnormal operands to zero (Triton's float32 code on CUDA, seen
+    on an H200). Subnormal inputs are then scaled from their integer significand through normal
+    numbers only, and a tiny y that still flushes is known to be nonzero for the directed modes."""
     B = (1 << (itype.itemsize * 8 - 2 - P)) - 1
     m, m_sub, emin_b = p[I_M], p[I_MSUB], p[I_EMINB]
     a_cl = torch.minimum(a, p[I_CLAMP])
@@ -227,6 +231,9 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False):
     step = (eq << P).view(fdtype)
     inv_step = ((2 * B - eq) << P).view(fdtype)
     y = a_cl.view(fdtype) * inv_step
+    if ftz:  # a subnormal is a_int * 2^(1 - B - P); 2^-64 and 2^(1 - B - P + 64) keep every step normal
+        y_sub = (a_cl.to(fdtype) * 2.0 ** -64) * inv_step * 2.0 ** (1 - B - P + 64)
+        y = torch.where(E == 0, y_sub, y)
     if mode == "nearest_even":
         n = torch.round(y)
         if m0:  # one value per binade: a tie goes to the even exponent code, not the even integer
@@ -240,7 +247,10 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False):
         n = fl + (y - fl >= 0.5).to(fdtype)
     elif mode in ("up", "down"):
         away = ~neg if mode == "up" else neg
-        n = torch.where(away, torch.ceil(y), torch.floor(y))
+        up = torch.ceil(y)
+        if ftz:  # y flushed to 0 from a nonzero input still rounds away to one step
+            up = up + ((y == 0) & (a_cl != 0)).to(fdtype)
+        n = torch.where(away, up, torch.floor(y))
     elif mode == "stochastic":
         fl = torch.floor(y)
         thr = ((y - fl) * 4294967296.0).to(torch.int64)
@@ -318,13 +328,22 @@ def _finish(a, neg, r_bits, mode: str, spec: tuple, P: int, W: int, itype):
     return r | (sign.to(itype) * -(1 << (W - 1)))
 
 
+def _flushes_subnormals(x: torch.Tensor) -> bool:
+    """Whether the code compiled for x flushes float32 subnormals to zero: Triton's on CUDA does
+    (seen on an H200, torch 2.11); eager CUDA kernels and the CPU keep them."""
+    return x.device.type != "cpu" and torch.compiler.is_compiling()
+
+
 def _round(x: torch.Tensor, p: torch.Tensor, mode: str, P: int, W: int, kind: str, spec: tuple) -> torch.Tensor:
     """x (1-D, any float dtype) rounded in the domain (P, W) by kernel `kind`; same dtype as x."""
     fdtype, itype = (torch.float32, torch.int32) if W == 32 else (torch.float64, torch.int64)
     u = x.to(fdtype).view(itype)
     neg = u < 0
     a = u & ((1 << (W - 1)) - 1)
-    r_bits = _BITS[kind](a, neg, p, mode, P, itype, fdtype)
+    if kind.startswith("scaled") and W == 32 and _flushes_subnormals(x):
+        r_bits = _BITS[kind](a, neg, p, mode, P, itype, fdtype, ftz=True)
+    else:
+        r_bits = _BITS[kind](a, neg, p, mode, P, itype, fdtype)
     return _finish(a, neg, r_bits, mode, spec, P, W, itype).view(fdtype).to(x.dtype)
 
 

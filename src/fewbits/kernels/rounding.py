@@ -93,7 +93,7 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     t = wx.tensor
     _check_float(t)
     check_mode(mode)
-    overflow = fmt.check_overflow(overflow)
+    overflow = fmt.check_overflow(overflow, t.device.type)
     if out is None:
         return wx.restore(_round_tensor(t, fmt, mode, overflow, _mode_seed(mode, generator)))
     wo = _to_torch(out, "out")
@@ -152,7 +152,7 @@ def encode(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
         return codes.numpy() if wx.is_numpy else codes
 
     _check_float(t)
-    overflow = fmt.check_overflow(overflow)
+    overflow = fmt.check_overflow(overflow, t.device.type)
     seed = _mode_seed(mode, generator)
     if not fmt.has_nan and t.numel() and bool(torch.isnan(t).any()):
         raise ValueError(f"x contains NaN, which has no code in {fmt.name} (a format without NaN)")
