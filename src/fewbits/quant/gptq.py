@@ -106,7 +106,7 @@ class _Grid:
     def _set_static(self, W: torch.Tensor) -> None:
         s = self.scheme
         if s.scale_format == "none":  # a plain cast: no scale
-            one = torch.ones(self.rows)
+            one = torch.ones(self.rows, device=W.device)
             self.inv[0] = self.scale[0] = one
             return
         qt = quantize(W, self.nearest)  # the scheme's own scale rule on the original weights
@@ -142,7 +142,7 @@ class _Grid:
         if s.granularity == "nvfp4":
             # the block rule of sc.nvfp4_scales with the tensor scale held fixed
             emax = sc.element_max(s)
-            block = columns.abs().amax(1) / emax / self.tensor_scale
+            block = sc.divide(columns.abs().amax(1), emax) / self.tensor_scale
             block = fb_round(block.clamp(min=sc._E4M3_TINY, max=sc._E4M3.max), sc._E4M3, overflow="saturate")
             codes = encode(block, sc._E4M3)
             self.raw[g] = codes
@@ -285,7 +285,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
     d starts at `damp` and grows tenfold (from at least 1e-4) while a factorisation fails."""
     n = H.shape[0]
     mean_diag = float(H.diagonal().mean()) if n else 1.0
-    eye = torch.eye(n, dtype=torch.float64)
+    eye = torch.eye(n, dtype=torch.float64, device=H.device)
     d = float(damp)
     for _ in range(_DAMP_RETRIES + 1):
         L, info = torch.linalg.cholesky_ex(H + (d * mean_diag) * eye)
@@ -483,7 +483,8 @@ class _HessianHooks:
             if not n:
                 warnings.warn(f"GPTQ: layer {name!r} saw no calibration input; it is rounded to nearest",
                               RuntimeWarning, stacklevel=3)
-                out[name] = torch.zeros(module.in_features, module.in_features, dtype=torch.float64)
+                out[name] = torch.zeros(module.in_features, module.in_features, dtype=torch.float64,
+                                        device=module.weight.device)
             else:
                 out[name] = self.sums[name] * (2.0 / n)
         return out

@@ -31,7 +31,7 @@ import torch
 
 from ..formats import FloatFormat, LookupFormat, get_format
 from ..kernels import decode, native, pack, unpack
-from .scales import reciprocal
+from .scales import divide, reciprocal
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the group sizes tinygemm's CPU kernel accepts
 INT4_N_MULTIPLE = 16
@@ -216,8 +216,17 @@ def int8_int8_matmul_onednn(q_act_u8: torch.Tensor, prepacked: torch.Tensor, w_s
                                               1.0, 0, torch.float32, "none", [], "")
 
 
+INT_MM_CUDA_MIN_ROWS = 17  # cuBLASLt's int8 GEMM behind torch._int_mm refuses M <= 16
+
+
 def int8_int8_matmul(q_act: torch.Tensor, w_int8: torch.Tensor) -> torch.Tensor:
-    """Exact int32 q_act [M, K] @ w_int8[N, K].T with torch._int_mm (no shape limits on CPU)."""
+    """Exact int32 q_act [M, K] @ w_int8[N, K].T with torch._int_mm (no shape limits on CPU;
+    on CUDA K and N are multiples of 8, and fewer than 17 rows are padded with zero rows)."""
+    m = q_act.shape[0]
+    if q_act.device.type == "cuda" and m < INT_MM_CUDA_MIN_ROWS:
+        padded = q_act.new_zeros(INT_MM_CUDA_MIN_ROWS, q_act.shape[1])
+        padded[:m] = q_act
+        return torch._int_mm(padded, w_int8.t())[:m]
     return torch._int_mm(q_act, w_int8.t())
 
 
@@ -256,7 +265,7 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
     lo, hi = float(lo), float(hi)
     if not math.isfinite(hi):
         raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
-    scale = round_scale(amax / 127.0)
+    scale = round_scale(divide(amax, 127.0))
     recip = 1.0 / (scale if lo > 0 else torch.where(scale == 0, torch.ones_like(scale), scale))
     t = torch.mul(x, recip.unsqueeze(1)).round_()
     if lo < 2.0 ** -100:  # a subnormal scale: 1 / scale may be inf, 0 * inf NaN
@@ -292,9 +301,11 @@ def _quantize_rows_int8_native(lib, x: torch.Tensor, per_row: bool, round_scale,
 # decoding codes through lookup tables (the dequantize-on-the-fly path)
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def value_table(fmt) -> torch.Tensor:
+def value_table(fmt, device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 value of every code of a format of up to 8 bits (exactly fb.decode's values; NaN
-    for the unused codes of a codebook with fewer than 2^bits entries)."""
+    for the unused codes of a codebook with fewer than 2^bits entries), on `device`."""
+    if torch.device(device).type != "cpu":
+        return value_table(fmt).to(device)
     n = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
     table = torch.full((2 ** fmt.bits,), float("nan"))
     table[:n] = decode(torch.arange(n), fmt, dtype=torch.float32)
@@ -302,9 +313,11 @@ def value_table(fmt) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def byte_table(fmt) -> torch.Tensor:
+def byte_table(fmt, device: torch.device | str = "cpu") -> torch.Tensor:
     """[256, 8 / bits] float32: the values of the codes packed low-first in each byte value, for
-    formats whose width divides 8 (one gather decodes a whole byte)."""
+    formats whose width divides 8 (one gather decodes a whole byte), on `device`."""
+    if torch.device(device).type != "cpu":
+        return byte_table(fmt).to(device)
     bits = fmt.bits
     per = 8 // bits
     b = torch.arange(256)
@@ -332,7 +345,7 @@ def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.
         first = start * bits // 8
         nbytes = -(-count // per)
         idx = codes[first:first + nbytes].to(torch.int32)
-        table = byte_table(fmt)
+        table = byte_table(fmt, codes.device)
         vals = torch.index_select(table, 0, idx).reshape(-1) if per > 1 else torch.index_select(table.reshape(-1), 0, idx)
         return vals[:count]
     # widths that straddle bytes (3, 5, 6, 7): unpack from the last boundary where a byte and
@@ -343,7 +356,7 @@ def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.
     first = group * per_group * bits // 8
     n = skip + count
     c = unpack(codes[first:first + -(-n * bits // 8)], bits, n, order="low_first").to(torch.int32)
-    return torch.index_select(value_table(fmt), 0, c[skip:])
+    return torch.index_select(value_table(fmt, codes.device), 0, c[skip:])
 
 
 def pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:

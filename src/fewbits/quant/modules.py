@@ -209,7 +209,7 @@ class _RowDecoder:
         else:  # rows do not start on whole bytes: decode each distinct row once
             uniq, inverse = torch.unique(index, return_inverse=True)
             decoded = [ops.decode_codes(self.qt.codes, self.fmt, self.row_len, int(r) * self.row_len) for r in uniq]
-            table = torch.stack(decoded) if decoded else torch.empty(0, self.row_len)
+            table = torch.stack(decoded) if decoded else torch.empty(0, self.row_len, device=index.device)
             v = table[inverse].reshape(-1)
         return self._finish(v, scales, zps, index)
 
@@ -267,11 +267,22 @@ def _is_bf16_cast(s: QuantScheme) -> bool:
     return s.scale_format == "none" and s.format == get_format("bf16")
 
 
-def available_kernels(scheme, shape) -> list[str]:
-    """The kernels that can run a weight of `shape` [out, in] in `scheme` here, fastest first
-    (the first one is what kernel="auto" picks)."""
+def available_kernels(scheme, shape, device="cpu") -> list[str]:
+    """The kernels that can run a weight of `shape` [out, in] in `scheme` on `device`, fastest
+    first (the first one is what kernel="auto" picks). Off the CPU: w8a8_int_mm (CUDA; both
+    dimensions multiples of 8, as cuBLASLt's int8 GEMM wants), bf16 and dequant."""
     s = get_scheme(scheme)
     n, k = (int(d) for d in shape)
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        out = []
+        if s.activations is not None:
+            if (dev.type == "cuda" and _int8_weight(s) and _w8a8_activations_fast(s.activations)
+                    and n % 8 == 0 and k % 8 == 0):
+                out.append("w8a8_int_mm")
+        elif _is_bf16_cast(s):
+            out.append("bf16")
+        return out + ["dequant"]
     out = []
     if s.activations is not None:
         if _int8_weight(s) and _w8a8_activations_fast(s.activations):
@@ -374,7 +385,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             bias = nn.Parameter(bias.detach(), requires_grad=False)
         self.bias = bias
         s = qweight.scheme
-        possible = available_kernels(s, qweight.shape)
+        self._requested_kernel = kernel
+        possible = available_kernels(s, qweight.shape, qweight.device)
         if kernel == "auto":
             kernel = possible[0]
         elif kernel not in KERNELS:
@@ -401,8 +413,25 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state = dict(state)
         qweight = state.pop("_qweight")
         super().__setstate__(state)
-        possible = available_kernels(qweight.scheme, qweight.shape)
+        possible = available_kernels(qweight.scheme, qweight.shape, qweight.device)
         self._install(qweight, self.kernel if self.kernel in possible else possible[0])
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device) / .cuda() / .cpu(): the bias moves as a parameter; the quantized weight
+        # moves with it and its kernel is chosen again for the new device (a kernel named at
+        # construction is kept where it can run there). Dtype conversions (.half()) leave the
+        # codes and scales alone: outputs follow the input's dtype.
+        super()._apply(fn, *args, **kwargs)
+        device = fn(torch.empty(0, device=self._qweight.device)).device
+        if device != self._qweight.device:
+            qweight = self._qweight
+            if isinstance(qweight, KernelQuantizedTensor):
+                qweight = qweight.plain()
+            qweight = qweight.to(device)
+            possible = available_kernels(qweight.scheme, qweight.shape, device)
+            wanted = getattr(self, "_requested_kernel", "auto")
+            self._install(qweight, wanted if wanted in possible else possible[0])
+        return self
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -591,7 +620,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if step >= n:
             return _with_bias(F.linear(x2d, block(0, n).to(x2d.dtype)), bias, dtype)
         x_t = x2d.t()
-        y_t = torch.empty(n, x2d.shape[0], dtype=x2d.dtype)
+        y_t = torch.empty(n, x2d.shape[0], dtype=x2d.dtype, device=x2d.device)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             torch.mm(block(r0, r1).to(x2d.dtype), x_t, out=y_t[r0:r1])
@@ -627,6 +656,15 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
         self.padding_idx = padding_idx
         self._qweight = qweight
         self._decoder = _RowDecoder(qweight) if _RowDecoder.supports(qweight) else None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device) / .cuda() / .cpu() move the quantized table (see QuantLinear._apply)
+        super()._apply(fn, *args, **kwargs)
+        device = fn(torch.empty(0, device=self._qweight.device)).device
+        if device != self._qweight.device:
+            self._qweight = self._qweight.to(device)
+            self._decoder = _RowDecoder(self._qweight) if _RowDecoder.supports(self._qweight) else None
+        return self
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, scheme) -> QuantEmbedding:

@@ -39,7 +39,7 @@ def group_percentile(g: torch.Tensor, valid: torch.Tensor | None, q: float) -> t
     if valid is not None:
         a = torch.where(valid, a, torch.tensor(float("nan")))
     s, _ = torch.sort(a, dim=-1)  # NaN (padding) sorts last
-    n = valid.sum(-1) if valid is not None else torch.full(a.shape[:-1], a.shape[-1])
+    n = valid.sum(-1) if valid is not None else torch.full(a.shape[:-1], a.shape[-1], device=a.device)
     k = (torch.ceil(n.to(torch.float64) * (q / 100.0)).to(torch.int64) - 1).clamp(min=0)
     k = torch.minimum(k, (n - 1).clamp(min=0))
     return s.gather(-1, k.unsqueeze(-1)).squeeze(-1).nan_to_num(0.0)
@@ -51,6 +51,15 @@ def round_scales(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
         return scale
     fmt = scale_format_of(scale_format)
     return fb_round(scale, fmt, overflow="saturate")
+
+
+def divide(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b, correctly rounded on every device. CUDA divides a tensor by a Python number as
+    a * (1 / b), which can round differently from the CPU's a / b; a divisor that is a tensor on
+    the device gets CUDA's true division, so the scales come out bit-identical to the CPU's."""
+    if a.device.type == "cpu":
+        return a / b
+    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, round_elements
         amax = group_percentile(g, valid, scheme.percentile)
     else:
         amax = group_amax(g)
-    base = amax / emax
+    base = divide(amax, emax)
     if scheme.scale_method != "mse":
         return round_scales(base, scheme.scale_format)
     def quantize_dequantize(gg, scale):
@@ -111,7 +120,7 @@ def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, round_element
         lo = torch.maximum(lo, -group_percentile(g.clamp(max=0), valid, p))
 
     def params(r):
-        scale = round_scales((hi - lo) * r / qmax, scheme.scale_format)
+        scale = round_scales(divide((hi - lo) * r, qmax), scheme.scale_format)
         zp = torch.round(-lo * r * reciprocal(scale)).clamp(0, qmax)
         return scale, zp
 
@@ -141,7 +150,7 @@ def float_min_params(g: torch.Tensor, valid, scheme: QuantScheme):
     big = torch.tensor(float("inf"))
     lo = (torch.where(valid, g, big) if valid is not None else g).amin(-1)
     hi = (torch.where(valid, g, -big) if valid is not None else g).amax(-1)
-    scale = round_scales((hi - lo) / qmax, scheme.scale_format)
+    scale = round_scales(divide(hi - lo, qmax), scheme.scale_format)
     return scale, round_scales(lo, scheme.scale_format)
 
 
@@ -182,7 +191,7 @@ def mx_scale_codes(amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     amax = amax.to(torch.float32)
     nan = torch.isnan(amax)
     if mode == "rceil":
-        descale = amax / fmt.max
+        descale = divide(amax, fmt.max)
         e = torch.ceil(torch.log2(descale)).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
         e = torch.where(torch.isinf(descale), 254.0, e)
         return torch.where(nan, 255.0, e).to(torch.uint8)
@@ -222,10 +231,10 @@ def nvfp4_scales(g: torch.Tensor, scheme: QuantScheme):
     elements are x * ((1 / tensor_scale) / block), as NVIDIA's recipe and torchao compute it.
     """
     emax = element_max(scheme)
-    amax = g.abs().amax() if g.numel() else torch.tensor(0.0)
-    ts = (amax.to(torch.float32) / (_E4M3.max * emax)).reshape(())
+    amax = g.abs().amax() if g.numel() else torch.tensor(0.0, device=g.device)
+    ts = divide(amax.to(torch.float32), _E4M3.max * emax).reshape(())
     ts = torch.where(ts == 0, torch.ones_like(ts), ts)  # an all-zero tensor: any scale works
-    block = group_amax(g) / emax / ts
+    block = divide(group_amax(g), emax) / ts
     block = fb_round(block.clamp(min=_E4M3_TINY, max=_E4M3.max), _E4M3, overflow="saturate")
     codes = encode(block, _E4M3)
     mult = (1.0 / ts) / block
@@ -247,13 +256,13 @@ def double_quantize(scales: torch.Tensor):
     dynamic code; fewbits uses plain int8, which costs the same bits).
     """
     flat = scales.reshape(-1).to(torch.float32)
-    offset = flat.mean() if flat.numel() else torch.tensor(0.0)
+    offset = flat.mean() if flat.numel() else torch.tensor(0.0, device=flat.device)
     d = flat - offset
     n = d.numel()
     blocks = -(-n // DOUBLE_QUANT_BLOCK)
     pad = blocks * DOUBLE_QUANT_BLOCK - n
     dp = torch.nn.functional.pad(d, (0, pad)).reshape(blocks, DOUBLE_QUANT_BLOCK)
-    bscale = dp.abs().amax(-1) / 127.0
+    bscale = divide(dp.abs().amax(-1), 127.0)
     q = torch.round(dp * reciprocal(bscale)[:, None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(-1)[:n].clone(), bscale, offset.reshape(())
 
