@@ -986,9 +986,10 @@ def _arch_text(a: Architecture | None) -> str | None:
 @dataclass(frozen=True)
 class MeasuredMemory:
     """peak = baseline + increase. baseline: bytes of the distinct storages held before the
-    measured call (the `held` objects; on CUDA, everything allocated on the device); increase: the
-    highest total of bytes allocated during the call and still alive; retained: of those, what
-    was still alive at its end; peak_op: the operator whose allocation reached the peak."""
+    measured call (the `held` objects; on CUDA without `held`, everything allocated on the
+    device); increase: the highest total of bytes allocated during the call and still alive;
+    retained: of those, what was still alive at its end; peak_op: the operator whose allocation
+    reached the peak (CPU only)."""
     peak: int
     baseline: int
     increase: int
@@ -1046,6 +1047,12 @@ def _storages(objs) -> dict[int, int]:
     return found
 
 
+def _allocator_bytes(held) -> int:
+    """Bytes of the distinct storages of `held` as the CUDA caching allocator counts them
+    (blocks of 512 bytes)."""
+    return sum(-(-nbytes // 512) * 512 for nbytes in _storages(tuple(held)).values())
+
+
 def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str | torch.device = "cpu"):
     """Run fn() and return (its result, MeasuredMemory).
 
@@ -1054,7 +1061,9 @@ def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str 
     allocated during fn and still alive, plus the bytes of the distinct storages of `held` (the
     model, optimizer, ... alive before fn), is the peak. Frees of memory that existed before fn are
     not seen, so pass objects whose tensors fn does not free (call zero_grad(set_to_none=True)
-    before measuring a training step). On CUDA: torch.cuda.max_memory_allocated."""
+    before measuring a training step). On CUDA: torch.cuda.max_memory_allocated during fn above
+    what was allocated before it, plus the bytes of `held` (everything allocated before fn if
+    `held` is empty)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -1062,9 +1071,12 @@ def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str 
         start = torch.cuda.memory_allocated(dev)
         result = fn()
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        end = torch.cuda.memory_allocated(dev)
-        return result, MeasuredMemory(peak, start, peak - start, end - start, "", "cuda allocator")
+        increase = torch.cuda.max_memory_allocated(dev) - start
+        retained = torch.cuda.memory_allocated(dev) - start
+        # as on the CPU: the baseline is what `held` holds (not whatever else the process keeps
+        # on the device); without `held`, everything allocated before fn
+        baseline = _allocator_bytes(held) if held else start
+        return result, MeasuredMemory(baseline + increase, baseline, increase, retained, "", "cuda allocator")
     if dev.type != "cpu":
         raise ValueError(f"memory is measured on cpu or cuda, not {dev.type}")
     from torch.profiler import ProfilerActivity, profile
