@@ -128,6 +128,15 @@ def ml_cast(fmt_name: str, xn: np.ndarray):
     return None, None
 
 
+def _sync():
+    """Wait for queued device work (CUDA runs kernels asynchronously); nothing on the CPU."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+DEVICE = torch.device("cpu")  # set by --device
+
+
 class Timed:
     """One callable and its samples (seconds per call); n is the element count it processes."""
 
@@ -135,13 +144,17 @@ class Timed:
         self.key, self.fn, self.n, self.samples, self.slow = key, fn, n, [], False
 
     def warm(self):
+        _sync()
         t0 = time.perf_counter()
         self.fn()
+        _sync()
         return time.perf_counter() - t0
 
     def run(self):
+        _sync()
         t0 = time.perf_counter()
         self.fn()
+        _sync()
         self.samples.append(time.perf_counter() - t0)
 
     def seconds(self, stat):
@@ -162,9 +175,11 @@ def fewbits_callables(fmt, mode, x, out, args):
     t0 = time.perf_counter()
     fb.round(xs, fmt, mode)              # compiles this (mode, kernel) graph if needed
     fb.round(xs, fmt, mode, out=os_)
+    _sync()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     fb.round(xs, fmt, mode)
+    _sync()
     per_call = (time.perf_counter() - t0) * n / probe_n
     use_n = n
     if per_call > args.slow_s:
@@ -188,6 +203,9 @@ def measure(args):
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     x = make_input(n, args.seed)
     xn = x.numpy()
+    if DEVICE.type != "cpu":  # ml_dtypes runs on the CPU: no column beside device kernels
+        x, xn = x.to(DEVICE), None
+        log(f"device: {DEVICE} ({torch.cuda.get_device_name(DEVICE) if DEVICE.type == 'cuda' else ''})")
     buf = torch.empty_like(x)
     buf.copy_(x)  # fault its pages in once: out= measures a buffer that already exists
 
@@ -201,7 +219,7 @@ def measure(args):
     for i, fmt in enumerate(formats):
         log(f"[{i + 1}/{len(formats)}] {fmt} ({time.perf_counter() - t_start:.0f} s elapsed)")
         tname, tfn = torch_cast(fmt, x)
-        mname, mfn = ml_cast(fmt, xn)
+        mname, mfn = ml_cast(fmt, xn) if xn is not None else (None, None)
         group = [copy, clone]
         ref_t = Timed(("torch", fmt), tfn, n) if tfn else None
         ref_m = Timed(("ml_dtypes", fmt), mfn, n) if mfn else None
@@ -226,7 +244,7 @@ def measure(args):
             rows.append(dict(format=fmt, mode=mode, alloc=alloc, out=outp,
                              torch=ref_t, torch_name=tname, ml=ref_m, ml_name=mname))
     # ml_dtypes types with no fewbits format in this run: reference only
-    if ml_dtypes is not None and not args.no_ref_only:
+    if ml_dtypes is not None and not args.no_ref_only and xn is not None:
         covered = {r["ml_name"] for r in rows}
         for tname in ML_TYPES:
             if tname in covered or not hasattr(ml_dtypes, tname):
@@ -413,6 +431,8 @@ def parse_args(argv=None):
                         "for a busy core and timings become scheduler noise; ml_dtypes is "
                         "single-threaded anyway; 0 keeps torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where x lives and fewbits and torch "
+                   "round it (ml_dtypes, a CPU library, is then left out)")
     p.add_argument("--no-ref-only", action="store_true",
                    help="skip ml_dtypes types that have no fewbits format in the run "
                         "(implied by --quick and --formats)")
@@ -437,6 +457,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
