@@ -11,12 +11,13 @@ the figure is the median step time over rounds (after warm-up rounds, which also
 fused rounding kernels). Configurations:
 
   fp32                  plain torch: fp32 model, AdamW
-  torch autocast bf16   torch.autocast("cpu", bfloat16) around forward and loss: fp32 weights,
+  torch autocast bf16   torch.autocast(device, bfloat16) around forward and loss: fp32 weights,
                         recast to bf16 at every matmul of every step
   fewbits bf16-mixed    fewbits Engine: bf16 working copy + fp32 master weights, fp32 norms/loss
   ... + telemetry       the same with numerics telemetry at its default sampling (every 10 steps)
   fewbits fp8-hybrid    emulated FP8 (E4M3 forward, E5M2 backward, delayed scaling) on the bf16 path
-  fewbits fp16-mixed    emulated fp16 with dynamic loss scaling (fp16 matmuls are not fast on CPU)
+  fewbits fp16-mixed    fp16 with dynamic loss scaling (emulated on a CPU, where fp16 matmuls are
+                        not fast; native with --device cuda)
 
 Targets (issue 4): bf16-mixed >= 1.8x the fp32 step; the overheads of emulated fp8 over bf16 and
 of telemetry are reported. Threads: torch's default (all cores) unless --threads.
@@ -40,26 +41,33 @@ from fewbits.train import Engine, Telemetry  # noqa: E402
 from fewbits.train.tasks import GPT, Task, TaskConfig  # noqa: E402
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Runner:
-    def __init__(self, name, cfg, kind, policy=None, telemetry=None):
-        self.name, self.kind = name, kind
+    def __init__(self, name, cfg, kind, policy=None, telemetry=None, device=torch.device("cpu")):
+        self.name, self.kind, self.device = name, kind, device
         torch.manual_seed(cfg.seed)
-        self.model = GPT(256, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq)
+        self.model = GPT(256, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         self.engine = Engine(self.model, self.opt, policy, telemetry=telemetry) if kind == "fewbits" else None
         self.times, self.losses = [], []
 
     def step(self, x, y):
+        _sync(self.device)
         t0 = time.perf_counter()
         if self.kind == "fewbits":
             loss = F.cross_entropy(self.model(x).reshape(-1, 256), y.reshape(-1))
             self.engine.train_step(loss)
         else:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.kind == "autocast"):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.kind == "autocast"):
                 loss = F.cross_entropy(self.model(x).reshape(-1, 256), y.reshape(-1))
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        _sync(self.device)
         dt = time.perf_counter() - t0
         self.losses.append(float(loss.detach()))
         return dt
@@ -73,7 +81,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--json", metavar="FILE", help="write every sample and the environment")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (fp16 then runs natively)")
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TaskConfig("lm", d_model=256 if args.quick else 512, seq=128 if args.quick else 256)
@@ -88,11 +98,12 @@ def main(argv=None):
         configs = [c for c in configs if c[0] in keep or c[2] in keep]
     # the telemetry configuration samples every 2nd step here, so that a short run has both kinds
     # of step; the overhead at the default sampling (every 10) is computed from the two medians
-    runners = [Runner(n, cfg, k, p, Telemetry(every=2) if t else None) for n, k, p, t in configs]
+    runners = [Runner(n, cfg, k, p, Telemetry(every=2) if t else None, device) for n, k, p, t in configs]
     print(f"LM d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {cfg.seq}, "
-          f"batch {cfg.batch_size}, AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads",
+          f"batch {cfg.batch_size}, AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads, {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
           flush=True)
-    batches = [task.batch() for _ in range(args.warmup + args.rounds)]
+    batches = [tuple(t.to(device) for t in task.batch()) for _ in range(args.warmup + args.rounds)]
     for r_i, (x, y) in enumerate(batches):
         this_round = []
         for r in runners:

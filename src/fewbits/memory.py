@@ -1069,13 +1069,13 @@ def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str 
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start = torch.cuda.memory_allocated(dev)
+        # as on the CPU: the baseline is what `held` holds before fn (not whatever else the
+        # process keeps on the device); without `held`, everything allocated before fn
+        baseline = _allocator_bytes(held) if held else start
         result = fn()
         torch.cuda.synchronize(dev)
         increase = torch.cuda.max_memory_allocated(dev) - start
         retained = torch.cuda.memory_allocated(dev) - start
-        # as on the CPU: the baseline is what `held` holds (not whatever else the process keeps
-        # on the device); without `held`, everything allocated before fn
-        baseline = _allocator_bytes(held) if held else start
         return result, MeasuredMemory(baseline + increase, baseline, increase, retained, "", "cuda allocator")
     if dev.type != "cpu":
         raise ValueError(f"memory is measured on cpu or cuda, not {dev.type}")

@@ -120,11 +120,19 @@ def test_scaled_formats_are_many():
     assert {"fp8_e4m3", "fp4_e2m1", "fp16", "int8"} <= {f.name for f in SCALED_F32}
 
 
+def _flushing(f):
+    def g(y, *args, **kwargs):
+        return f(torch.where(y.abs() < 2.0 ** -126, torch.zeros_like(y), y), *args, **kwargs)
+    return g
+
+
+@pytest.mark.parametrize("style", ["all arithmetic", "rounding functions"])
 @pytest.mark.parametrize("fmt", SCALED_F32, ids=lambda f: f.name)
-def test_scaled_kernel_under_flush_to_zero(fmt, monkeypatch, eager_kernels):
-    """The CPU's flush-to-zero mode (torch.set_flush_denormal) stands in for Triton's: with it on,
-    the scaled kernel's workaround gives exactly the results of the normal arithmetic, float32
-    subnormal inputs included, in every mode."""
+def test_scaled_kernel_under_flush_to_zero(fmt, style, monkeypatch, eager_kernels):
+    """Two stand-ins for Triton's flushing on the CPU: every operation flushes (the CPU's own
+    flush-to-zero mode, torch.set_flush_denormal), or only floor/ceil/round flush their argument
+    (as Triton's were seen to). Either way the scaled kernel's workaround gives exactly the
+    results of the normal arithmetic, float32 subnormal inputs included, in every mode."""
     tiny = torch.tensor([2.0 ** -149, 3 * 2.0 ** -149, 2.0 ** -140, 1.5 * 2.0 ** -130, 2.0 ** -127,
                          (1 - 2.0 ** -23) * 2.0 ** -126], dtype=torch.float32)
     x = torch.cat([_inputs(fmt, torch.float32), tiny, -tiny])
@@ -132,12 +140,18 @@ def test_scaled_kernel_under_flush_to_zero(fmt, monkeypatch, eager_kernels):
     monkeypatch.setattr(fr, "_flushes_subnormals", lambda t: True)
     for mode in fb.MODES:
         want = _reference(x, fmt, mode, None, seed).float()
-        if not torch.set_flush_denormal(True):
-            pytest.skip("this CPU cannot flush subnormals")
-        try:
-            got = _round_tensor(x, fmt, mode, fmt.default_overflow, seed)
-        finally:
-            torch.set_flush_denormal(False)
+        if style == "rounding functions":
+            with monkeypatch.context() as m:
+                for name in ("floor", "ceil", "round"):
+                    m.setattr(torch, name, _flushing(getattr(torch, name)))
+                got = _round_tensor(x, fmt, mode, fmt.default_overflow, seed)
+        else:
+            if not torch.set_flush_denormal(True):
+                pytest.skip("this CPU cannot flush subnormals")
+            try:
+                got = _round_tensor(x, fmt, mode, fmt.default_overflow, seed)
+            finally:
+                torch.set_flush_denormal(False)
         ok = (torch.isnan(got) & torch.isnan(want)) | ((got == want) & (torch.signbit(got) == torch.signbit(want)))
         bad = (~ok).nonzero().flatten()[:5].tolist()
         assert not bad, [(x[i].item(), got[i].item(), want[i].item(), mode) for i in bad]

@@ -81,7 +81,7 @@ def _call(compiled_fn, args):
     wrapper code object, so our variants (one per format range, mode and kernel) count against
     that object's limit of 8 and the 9th fails; the limits are raised only during our call."""
     cfg = torch._dynamo.config
-    need = _variants[0] + 8
+    need = 4 * _variants[0] + 8  # a variant may be compiled more than once (static, then dynamic sizes)
     saved = {name: getattr(cfg, name) for name in _LIMITS
              if hasattr(cfg, name) and getattr(cfg, name) < need}
     if not saved:

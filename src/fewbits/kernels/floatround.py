@@ -220,9 +220,11 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False, 
     round y to an integer in the mode, multiply back (exact). Magnitudes beyond 4x the format's
     range are clamped first (they overflow either way), so the scaling never leaves the domain.
 
-    ftz: the arithmetic flushes subnormal operands to zero (Triton's float32 code on CUDA, seen
-    on an H200). Subnormal inputs are then scaled from their integer significand through normal
-    numbers only, and a tiny y that still flushes is known to be nonzero for the directed modes."""
+    ftz: some of the arithmetic flushes subnormal operands to zero (Triton's float32 code on
+    CUDA, seen on an H200: its ceil/floor/round do). Subnormal inputs are then scaled from their
+    integer significand through normal numbers only, and a subnormal y (|x| below 2^-126 steps,
+    whatever the hardware makes of it) is replaced by 0 before rounding, its being nonzero kept
+    apart for the directed modes; the nearest and stochastic modes round such a y to 0 anyway."""
     B = (1 << (itype.itemsize * 8 - 2 - P)) - 1
     m, m_sub, emin_b = p[I_M], p[I_MSUB], p[I_EMINB]
     a_cl = torch.minimum(a, p[I_CLAMP])
@@ -231,9 +233,13 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False, 
     step = (eq << P).view(fdtype)
     inv_step = ((2 * B - eq) << P).view(fdtype)
     y = a_cl.view(fdtype) * inv_step
+    tiny_nonzero = None
     if ftz:  # a subnormal is a_int * 2^(1 - B - P); 2^-64 and 2^(1 - B - P + 64) keep every step normal
         y_sub = (a_cl.to(fdtype) * 2.0 ** -64) * inv_step * 2.0 ** (1 - B - P + 64)
         y = torch.where(E == 0, y_sub, y)
+        tiny = y.view(itype) < (1 << P)  # y is zero or subnormal (read from its bits)
+        tiny_nonzero = tiny & (a_cl != 0)
+        y = torch.where(tiny, torch.zeros_like(y), y)
     if mode == "nearest_even":
         n = torch.round(y)
         if m0:  # one value per binade: a tie goes to the even exponent code, not the even integer
@@ -248,8 +254,8 @@ def _scaled_bits(a, neg, p, mode: str, P: int, itype, fdtype, m0: bool = False, 
     elif mode in ("up", "down"):
         away = ~neg if mode == "up" else neg
         up = torch.ceil(y)
-        if ftz:  # y flushed to 0 from a nonzero input still rounds away to one step
-            up = up + ((y == 0) & (a_cl != 0)).to(fdtype)
+        if ftz:  # a tiny nonzero y still rounds away to one step
+            up = up + tiny_nonzero.to(fdtype)
         n = torch.where(away, up, torch.floor(y))
     elif mode == "stochastic":
         fl = torch.floor(y)
