@@ -128,3 +128,18 @@ def test_torch_preset_equals_torch_cast_on_device(name, dtype, accel):
     with fb.use_backend("eager"):
         ours = fb.round(x, fmt, overflow="torch")
     assert_same(ours.cpu(), native.cpu(), x.cpu(), f"{name} vs torch {dtype} on {accel}")
+
+
+def test_parameters_off_the_cpu_are_cached_not_copied():
+    """On an accelerator the kernels' small parameter vectors are copied there once (cached);
+    per-call seeds are filled in on a clone. (The meta device stands in: no GPU needed.)"""
+    from fewbits.kernels.random import ints_on, seed_tensor
+
+    a = ints_on((1, 2, 3), "meta")
+    assert ints_on((1, 2, 3), "meta") is a and a.device.type == "meta"
+    assert ints_on((1, 2, 3), "meta", fill={1: 2}) is a  # nothing to change
+    c = ints_on((1, 2, 3), "meta", fill={1: 7})
+    assert c is not a and c.shape == (3,)
+    assert ints_on((1, 2, 3), "cpu", fill={1: 7}).tolist() == [1, 7, 3]
+    assert seed_tensor((5, 6), "cpu").tolist() == [5, 6]
+    assert seed_tensor((0, 0), "meta") is seed_tensor((0, 0), "meta")

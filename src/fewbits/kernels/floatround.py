@@ -23,7 +23,7 @@ import torch
 
 from ..formats import FloatFormat, IntFormat
 from .compile import compiled
-from .random import random_words
+from .random import ints_on, random_words
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,10 @@ def kernel_kind(fmt, dom: Domain) -> str:
 
 
 def float_params(fmt, dom: Domain, overflow: str, seed: tuple[int, int] = (0, 0), device="cpu") -> torch.Tensor:
-    p = list(_static_params(fmt, dom, overflow))
-    p[I_SEEDLO], p[I_SEEDHI] = seed
-    return torch.tensor(p, dtype=torch.int64 if dom.W == 64 else torch.int32, device=device)
+    """The kernels' parameter vector on `device` (on an accelerator: cached there, the seeds
+    filled in per call, so that no call waits for a host-to-device copy)."""
+    return ints_on(_static_params(fmt, dom, overflow), device, torch.int64 if dom.W == 64 else torch.int32,
+                   fill={I_SEEDLO: int(seed[0]), I_SEEDHI: int(seed[1])})
 
 
 def _increment(mode: str, lower, kept, neg, k, k_true, p, odd_flip, itype):

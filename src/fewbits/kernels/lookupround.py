@@ -15,7 +15,7 @@ import torch
 
 from ..formats import LookupFormat
 from .compile import compiled
-from .random import random_words
+from .random import random_words, seed_tensor
 
 UNROLL_MAX = 32
 
@@ -235,13 +235,13 @@ def lookup_indices(x: torch.Tensor, fmt: LookupFormat, mode: str, seed=(0, 0)) -
         return _codes_search(x, fmt, mode, seed)
     flat = x.reshape(-1)
     th = _fast_thresholds(x, fmt, mode)
-    seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    seed_t = seed_tensor(seed, x.device)
     if th is not None and isinstance(th[0], float):
         return _codes_f32_compiled(flat.numel(), flat, thresholds=th).view(x.shape)
     if th is not None:
         return _pair_codes_compiled(flat.numel(), flat, seed_t, mode=mode, values=fmt.table,
                                     th_down=th[0], th_up=th[1]).view(x.shape)
-    seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    seed_t = seed_tensor(seed, x.device)
     codes = _codes_compiled(flat.numel(), flat, _table(fmt, str(x.device)), seed_t,
                             mode=mode, n=fmt.num_values, tie_up=_tie_up(fmt, mode))
     return codes.view(x.shape)
@@ -252,7 +252,7 @@ def round_lookup(x: torch.Tensor, fmt: LookupFormat, mode: str, seed=(0, 0), out
     th = _fast_thresholds(x, fmt, mode)
     if th is not None and not isinstance(th[0], float):
         flat = x.reshape(-1)
-        seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+        seed_t = seed_tensor(seed, x.device)
         static = dict(mode=mode, values=fmt.table, th_down=th[0], th_up=th[1])
         if out is not None and out.is_contiguous():
             _pair_round_out_compiled(flat.numel(), flat, seed_t, out.view(-1), **static)
@@ -276,7 +276,7 @@ def _round_lookup_general(x, fmt, mode, seed):
         t = _table(fmt, str(x.device))
         return torch.where(codes < 0, torch.nan, t[codes.clamp(min=0)]).to(x.dtype)
     flat = x.reshape(-1)
-    seed_t = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    seed_t = seed_tensor(seed, x.device)
     r = _round_compiled(flat.numel(), flat, _table(fmt, str(x.device)), seed_t,
                         mode=mode, n=fmt.num_values, tie_up=_tie_up(fmt, mode))
     return r.view(x.shape)

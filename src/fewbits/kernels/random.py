@@ -5,6 +5,8 @@ threading or fusion, costs no memory pass, and has an obviously-equal Python ref
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -45,3 +47,34 @@ def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
     """Two 31-bit seeds drawn from `generator` (or torch's global RNG): reproducible under manual_seed."""
     s = torch.randint(0, 2 ** 31 - 1, (2,), generator=generator, dtype=torch.int64)
     return int(s[0]), int(s[1])
+
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_on(values: tuple, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def ints_on(values: tuple, device, dtype: torch.dtype = torch.int64, fill: dict | None = None) -> torch.Tensor:
+    """A short vector of Python ints on `device`: `values` with entry i replaced by fill[i].
+
+    On an accelerator this avoids a blocking host-to-device copy per call: `values` is copied
+    there once and cached, and the `fill` entries (per-call seeds) are written by fill kernels
+    that take the value as an argument. On the CPU: a plain torch.tensor."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        if fill:
+            values = tuple(fill.get(i, v) for i, v in enumerate(values))
+        return torch.tensor(values, dtype=dtype)
+    base = _cached_on(tuple(values), str(dev), dtype)
+    if not fill or all(values[i] == v for i, v in fill.items()):
+        return base  # shared: the kernels only read it
+    t = base.clone()
+    for i, v in fill.items():
+        t[i] = v
+    return t
+
+
+def seed_tensor(seed: tuple[int, int], device) -> torch.Tensor:
+    """The seed pair as an int64 tensor [2] on `device` (see ints_on)."""
+    return ints_on((0, 0), device, fill={0: int(seed[0]), 1: int(seed[1])})
