@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("rowquant.c", "lut4.c")
+SOURCES = ("rowquant.c", "lut4.c", "round32.c")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
 # torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under
@@ -112,6 +112,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_lut4_matmul.restype = i32
     lib.fb_lut4_decode.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p]
     lib.fb_lut4_decode.restype = i32
+    u32 = ctypes.c_uint32
+    lib.fb_round_scaled_sr_f32.argtypes = [p, p, i64, p, u32, u32]
+    lib.fb_round_scaled_sr_f32.restype = None
+    lib.fb_round_lut_f32.argtypes = [p, p, i64, p, i32, p]
+    lib.fb_round_lut_f32.restype = None
+    lib.fb_round_lut_sr_f32.argtypes = [p, p, i64, p, i32, p, u32, u32]
+    lib.fb_round_lut_sr_f32.restype = None
+    lib.fb_round_pow2_f32.argtypes = [p, p, i64, p, i32, u32, u32]
+    lib.fb_round_pow2_f32.restype = None
+    lib.fb_round32_vectorized.argtypes = []
+    lib.fb_round32_vectorized.restype = i32
 
 
 def library() -> ctypes.CDLL | None:
@@ -299,4 +310,48 @@ def lut4_decode(lib: ctypes.CDLL, codes: torch.Tensor, scales, table: torch.Tens
     out = torch.empty(r1 - r0, row_len, dtype=torch.float32)
     if lib.fb_lut4_decode(codes.data_ptr(), *scale_args, table.data_ptr(), row_len, group, r0, r1, out.data_ptr()):
         raise RuntimeError("fb_lut4_decode refused its arguments")
+    return out
+
+
+# --- rounding of float32 values (round32.c) ------------------------------------------------
+def _check_flat(x: torch.Tensor, out: torch.Tensor) -> None:
+    for t in (x, out):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"native rounding takes contiguous CPU float32 tensors, got {t.dtype} {t.device}")
+    if out.numel() != x.numel():
+        raise ValueError(f"out has {out.numel()} values for {x.numel()}")
+
+
+def round_scaled_sr_f32(lib, x: torch.Tensor, out: torch.Tensor, params: torch.Tensor, seed) -> torch.Tensor:
+    """Stochastic rounding of x into out by the scaled kernel (params: int32, the layout of
+    round32.c's P_* enum; seed: the pair of 31-bit seeds)."""
+    _check_flat(x, out)
+    lib.fb_round_scaled_sr_f32(x.data_ptr(), out.data_ptr(), x.numel(), params.data_ptr(), int(seed[0]), int(seed[1]))
+    return out
+
+
+def round_lut_f32(lib, x: torch.Tensor, out: torch.Tensor, thresholds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values[#{j: x > thresholds[j]}] (NaN for NaN) into out; float32 thresholds (<= 15,
+    ascending) and values (one more)."""
+    _check_flat(x, out)
+    lib.fb_round_lut_f32(x.data_ptr(), out.data_ptr(), x.numel(), thresholds.data_ptr(), thresholds.numel(),
+                         values.data_ptr())
+    return out
+
+
+def round_lut_sr_f32(lib, x: torch.Tensor, out: torch.Tensor, th_down: torch.Tensor, values: torch.Tensor,
+                     seed) -> torch.Tensor:
+    """Stochastic rounding to the codebook `values` (th_down: x > th_down[j] <=> x >= values[j+1])."""
+    _check_flat(x, out)
+    lib.fb_round_lut_sr_f32(x.data_ptr(), out.data_ptr(), x.numel(), th_down.data_ptr(), th_down.numel(),
+                            values.data_ptr(), int(seed[0]), int(seed[1]))
+    return out
+
+
+def round_pow2_f32(lib, x: torch.Tensor, out: torch.Tensor, params: torch.Tensor, mode: int, seed) -> torch.Tensor:
+    """Rounding to powers of two from 2^-127 (E8M0) by floatround's pow2 kernel; mode: the index
+    in fewbits.formats.MODES."""
+    _check_flat(x, out)
+    lib.fb_round_pow2_f32(x.data_ptr(), out.data_ptr(), x.numel(), params.data_ptr(), int(mode), int(seed[0]),
+                          int(seed[1]))
     return out

@@ -1,0 +1,354 @@
+/* Rounding of float32 values in the cases where torch.compile's code runs well below memory
+ * speed on a CPU: stochastic rounding to a float format of the "scaled" kind (fp8, fp6, fp4,
+ * fp16, ints ...), and rounding to a codebook of at most 16 values (NF4 ...), by thresholds
+ * (nearest, up, down, toward zero) and stochastically. Each function is a C twin of
+ * fewbits.kernels.floatround / lookupround (the Python there is the definition; the tests
+ * compare these bit for bit): the same integer steps and the same float32 / float64 operations,
+ * built with -ffp-contract=off and without -ffast-math, subnormals kept.
+ *
+ * The loops work on 16 values at a time with GCC/Clang vector extensions (AVX-512 registers where
+ * the CPU has them: table lookups are one permute, vpermps); the last partial block runs through
+ * the same code on a padded copy. Element i of the input draws the 32-bit random word
+ * hash(seed, i) of fewbits.kernels.random, whatever the threading. OpenMP shares the blocks over
+ * torch's threads when built with it.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define L 16
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef double vd __attribute__((vector_size(8 * L)));
+typedef int64_t vl __attribute__((vector_size(8 * L)));
+
+static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline vi sel(vi mask, vi a, vi b) { return (a & mask) | (b & ~mask); }
+
+/* whether any lane of v is nonzero */
+static inline int any_set(vi v) {
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#else
+    const vi a = v | __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    const vi b = a | __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    const vi c = b | __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return (c[0] | c[1]) != 0;
+#endif
+}
+
+static inline vf lookup(vf table, vi idx) {
+#if defined(__GNUC__) && !defined(__clang__)
+    return __builtin_shuffle(table, idx);
+#else /* clang's shuffles take constant indices only */
+    vf r;
+    for (int l = 0; l < L; l++) r[l] = table[idx[l] & 15];
+    return r;
+#endif
+}
+
+static inline vu mix(vu h) {
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x5BD1E995u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* fewbits.kernels.random.random_word_reference(seed_lo, seed_hi, index) for the 16 indices
+ * i0 .. i0 + 15 (i0 a multiple of 16, so the block never straddles a multiple of 2^32) */
+static inline vu random_words(uint32_t seed_lo, uint32_t seed_hi, int64_t i0) {
+    vu idx = (vu)IOTA + (uint32_t)i0;
+    vu h = mix(idx ^ seed_lo);
+    return mix(h ^ (seed_hi ^ (uint32_t)((uint64_t)i0 >> 32)));
+}
+
+/* 1 where these kernels are built for 512-bit vectors (AVX-512): elsewhere compilers split the
+ * 16-lane code into slow pieces (measured: ~0.1 G values/s with AVX2), and fewbits keeps the
+ * compiled torch kernels */
+int32_t fb_round32_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define INF_BITS 0x7F800000
+#define NAN_BITS 0x7FC00000
+
+/* Parameters of the scaled kernel and the finishing step, as floatround._static_params /
+ * finish_spec give them (float32 domain); see fewbits.kernels.native_round.scaled_params. */
+enum { P_M, P_MSUB, P_EMINB, P_CLAMP, P_MAXP, P_MAXN, P_OVFP, P_OVFN, P_INFP, P_INFN, P_SAT, P_SIGNED,
+       P_NEGZERO, P_NEGRES, P_MINRES, P_COUNT };
+
+/* floatround._finish on 16 values: overflow, infinities, NaN, the unsigned range, a missing zero
+ * and the sign. rz: the lanes whose mode rounds toward zero (there overflow gives the largest
+ * finite value whatever the policy). */
+static inline vi finish(vi a, vi neg, vi r_bits, const int32_t *p, vi rz) {
+    const vi top = sel(neg, (vi){0} + p[P_MAXN], (vi){0} + p[P_MAXP]);
+    const vi ovf = sel(neg, (vi){0} + p[P_OVFN], (vi){0} + p[P_OVFP]);
+    vi res = p[P_SAT] ? sel(r_bits < top, r_bits, top) : sel(r_bits > top, sel(rz, top, ovf), r_bits);
+    const vi inf_out = sel(neg, (vi){0} + p[P_INFN], (vi){0} + p[P_INFP]);
+    res = sel(a == INF_BITS, inf_out, res); /* saturating formats: inf_out is top already */
+    const vi is_nan_in = a > INF_BITS;
+    if (!p[P_SIGNED]) res = sel(neg & (res != 0) & ~is_nan_in, (vi){0} + p[P_NEGRES], res);
+    res = sel(is_nan_in, (vi){0} + NAN_BITS, res);
+    if (p[P_MINRES]) res = sel(res == 0, (vi){0} + p[P_MINRES], res);
+    vi sign;
+    if (p[P_SIGNED] && p[P_NEGZERO]) sign = neg;
+    else if (p[P_SIGNED]) sign = neg & (res != 0);
+    else sign = neg & (res > INF_BITS);
+    return res | (sign & ((vi){0} + (int32_t)0x80000000));
+}
+
+/* floatround._scaled_bits(mode="stochastic") then floatround._finish, on 16 values (bits u):
+ * y = |x| / step exactly, n = floor(y) + (word < (y - floor(y)) * 2^32), result n * step; then
+ * overflow, infinities, NaN, the unsigned range, a missing zero and the sign. */
+static inline vi scaled_sr_block(vi u, const int32_t *p, vu r) {
+    const vi neg = u < 0;
+    const vi a = u & 0x7FFFFFFF;
+    const vi a_cl = sel(a < p[P_CLAMP], a, (vi){0} + p[P_CLAMP]);
+    const vi e = a_cl >> 23;
+    const vi eq = sel(e >= p[P_EMINB], e - p[P_M], (vi){0} + (p[P_EMINB] - p[P_MSUB]));
+    const vf step = (vf)(eq << 23);
+    const vf inv_step = (vf)((254 - eq) << 23);
+    const vf y = (vf)a_cl * inv_step;
+    /* 0 <= y < 2^24 (|x| is clamped to 4x the format's range): floor is truncation */
+    const vf fl = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
+    const vu thr = __builtin_convertvector((y - fl) * 4294967296.0f, vu); /* < 2^32 */
+    const vi up = (vi)(r < thr);                                            /* -1 or 0 */
+    const vf q = fl + __builtin_convertvector(up & 1, vf);
+    const vi r_bits = (vi)(q * step);
+    return finish(a, neg, r_bits, p, (vi){0});
+}
+
+void fb_round_scaled_sr_f32(const float *x, float *out, int64_t n, const int32_t *p,
+                            uint32_t seed_lo, uint32_t seed_hi) {
+    const int64_t full = n / L * L;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < full; i += L) {
+        vi u;
+        memcpy(&u, x + i, sizeof u);
+        const vi res = scaled_sr_block(u, p, random_words(seed_lo, seed_hi, i));
+        memcpy(out + i, &res, sizeof res);
+    }
+    if (full < n) {
+        vi u = {0};
+        memcpy(&u, x + full, (size_t)(n - full) * 4);
+        const vi res = scaled_sr_block(u, p, random_words(seed_lo, seed_hi, full));
+        memcpy(out + full, &res, (size_t)(n - full) * 4);
+    }
+}
+
+/* floatround._pow2_bits then _finish (E8M0 from float32: powers of two from 2^-127 up): normal
+ * inputs keep their exponent (P = 23 bits dropped), subnormal ones hold 2^-127 in their top
+ * mantissa bit (22 dropped). mode: 0 nearest_even, 1 nearest_away, 2 toward_zero, 3 up,
+ * 4 down, 5 stochastic (fewbits.formats.MODES order). p: scaled_params' layout, P_M holding
+ * the parity flip of the exponent codes. */
+static inline vi pow2_block(vi u, const int32_t *p, const int mode, vu r) {
+    const vi neg = u < 0;
+    const vi a = u & 0x7FFFFFFF;
+    const vi sub = (a >> 23) == 0; /* -1 or 0 */
+    const vi k = 23 + sub;
+    const vi kept = a >> k;
+    const vi lower = a & ((1 << k) - 1);
+    vi inc, rz = {0};
+    if (mode == 0) {
+        const vi half = (1 << k) >> 1;
+        const vi odd = ((kept ^ p[P_M]) & 1) & ~sub; /* ties below 2^-126 stay */
+        inc = (lower > half) | ((lower == half) & (lower != 0) & (odd != 0));
+    } else if (mode == 1) {
+        const vi half = (1 << k) >> 1;
+        inc = (lower >= half) & (lower != 0);
+    } else if (mode == 2) {
+        inc = (vi){0};
+        rz = ~rz;
+    } else if (mode == 3 || mode == 4) {
+        const vi away = mode == 3 ? ~neg : neg;
+        inc = (lower != 0) & away;
+        rz = ~away;
+    } else {
+        const vu thr = (vu)lower << (vu)(32 - k); /* k <= 23: the dropped bits as a 32-bit fraction */
+        inc = (vi)(r < thr);
+    }
+    const vi r_bits = (kept - inc) << k; /* inc is -1 or 0 */
+    return finish(a, neg, r_bits, p, rz);
+}
+
+#define POW2_LOOP(MODE)                                                                           \
+    _Pragma("omp parallel for schedule(static)")                                                 \
+    for (int64_t i = 0; i < full; i += L) {                                                      \
+        vi u;                                                                                    \
+        memcpy(&u, x + i, sizeof u);                                                             \
+        const vi res = pow2_block(u, p, MODE, random_words(seed_lo, seed_hi, i));               \
+        memcpy(out + i, &res, sizeof res);                                                       \
+    }
+
+void fb_round_pow2_f32(const float *x, float *out, int64_t n, const int32_t *p, int32_t mode,
+                       uint32_t seed_lo, uint32_t seed_hi) {
+    const int64_t full = n / L * L;
+    switch (mode) {
+    case 0: POW2_LOOP(0) break;
+    case 1: POW2_LOOP(1) break;
+    case 2: POW2_LOOP(2) break;
+    case 3: POW2_LOOP(3) break;
+    case 4: POW2_LOOP(4) break;
+    default: POW2_LOOP(5) break;
+    }
+    if (full < n) {
+        vi u = {0};
+        memcpy(&u, x + full, (size_t)(n - full) * 4);
+        const vi res = pow2_block(u, p, mode, random_words(seed_lo, seed_hi, full));
+        memcpy(out + full, &res, (size_t)(n - full) * 4);
+    }
+}
+
+/* #{j: x > t[j]} for ascending thresholds t (unused ones +inf; NaN counts none): a branch-free
+ * binary search, four table lookups */
+static inline vi count_below(vf xv, vf t) {
+    vi c = {0};
+    for (int s = 8; s >= 1; s >>= 1) c += (vi)(xv > lookup(t, c + (s - 1))) & s;
+    return c;
+}
+
+/* lookupround._round_f32 on 16 values: value[#{j: x > th[j]}], NaN for NaN (t: 15 thresholds,
+ * unused ones +inf; table: the values, padded) */
+static inline vf lut_block(vf xv, vf t, vf table) {
+    const vi c = count_below(xv, t);
+    const vi v = (vi)lookup(table, c);
+    return (vf)sel(xv != xv, (vi){0} + NAN_BITS, v);
+}
+
+static void lut_setup(const float *th, int32_t nth, const float *values, vf *t, vf *table) {
+    for (int j = 0; j < 16; j++) (*t)[j] = j < nth ? th[j] : __builtin_inff();
+    for (int j = 0; j < 16; j++) (*table)[j] = values[j <= nth ? j : nth];
+}
+
+/* thresholds th (nth <= 15, ascending), values (nth + 1) */
+void fb_round_lut_f32(const float *x, float *out, int64_t n, const float *th, int32_t nth,
+                      const float *values) {
+    vf t, table;
+    lut_setup(th, nth, values, &t, &table);
+    const int64_t full = n / L * L;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < full; i += L) {
+        vf xv;
+        memcpy(&xv, x + i, sizeof xv);
+        const vf r = lut_block(xv, t, table);
+        memcpy(out + i, &r, sizeof r);
+    }
+    if (full < n) {
+        vf xv = {0};
+        memcpy(&xv, x + full, (size_t)(n - full) * 4);
+        const vf r = lut_block(xv, t, table);
+        memcpy(out + full, &r, (size_t)(n - full) * 4);
+    }
+}
+
+/* lookupround._pair_round_f32(mode="stochastic") on 16 values: the codebook values lo <= x < hi
+ * around x (x > t[j] <=> x >= values[j + 1]); hi with probability (x - lo) / (hi - lo), in
+ * float64, against the element's random word. The float64 part runs on two halves of 8 lanes
+ * (one 512-bit register each: compilers split 16 doubles poorly). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef double vd8 __attribute__((vector_size(64)));
+typedef int64_t vl8 __attribute__((vector_size(64)));
+
+/* -1 where word < floor(frac * 2^32), i.e. where word + 1 <= frac * 2^32 (word an integer;
+ * frac * 2^32 is exact, below 2^32 + 1) */
+static inline vi8 pick_half(vf8 x, vf8 lo, vf8 hi, vi8 above, vu8 word) {
+    const vd8 x64 = __builtin_convertvector(x, vd8), lo64 = __builtin_convertvector(lo, vd8);
+    const vd8 hi64 = __builtin_convertvector(hi, vd8);
+    const vl8 take = __builtin_convertvector(above, vl8); /* above <=> hi != lo */
+    const vd8 one = (vd8){0} + 1.0;
+    const vd8 den = (vd8)(((vl8)(hi64 - lo64) & take) | ((vl8)one & ~take));
+    const vd8 scaled = (x64 - lo64) / den * 4294967296.0;
+    const vd8 w1 = __builtin_convertvector(word, vd8) + 1.0;
+    return __builtin_convertvector((vl8)(w1 <= scaled) & take, vi8);
+}
+
+/* the float64 decision for 16 lanes (kept out of line: it is rarely needed) */
+__attribute__((noinline)) static vi pick_exact(vf xv, vf lo, vf nxt, vu r) {
+    const vi above = (xv > lo) & (nxt != lo);
+    const vf hi = (vf)sel(above, (vi)nxt, (vi)lo);
+#define LOW(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+#define HIGH(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+    const vi8 p0 = pick_half(LOW(xv), LOW(lo), LOW(hi), LOW(above), LOW(r));
+    const vi8 p1 = pick_half(HIGH(xv), HIGH(lo), HIGH(hi), HIGH(above), HIGH(r));
+#undef LOW
+#undef HIGH
+    return __builtin_shufflevector(p0, p1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* The float64 decision is exact but slow; most lanes are decided by a float32 estimate first:
+ * est = (x - lo) * inv[c], inv[c] = float32(2^32 / (values[c + 1] - values[c])) (0 past the last
+ * value), is within 4 * 2^-24 * 2^32 = 1024 of frac * 2^32 when every operand is a normal
+ * float32 (checked per codebook: lut_sr_tables), float32(word) within 128 of the word and
+ * est - word within 256 of its exact value. Lanes with |est - word| >= MARGIN are decided by
+ * it: word + 1 <= frac * 2^32 there exactly when est - word >= MARGIN (x below lo, at the last
+ * value, inf and NaN give est <= 0 or NaN: no). A block holding any other lane (about 2 in 10^6)
+ * takes the float64 path for all its lanes. */
+#define MARGIN 4096.0f
+
+static inline vf lut_sr_block(vf xv, vf t, vf table, vf next, vf inv, int32_t fast, vu r) {
+    const vi c_lo = count_below(xv, t);
+    const vf lo = lookup(table, c_lo);
+    vi pick;
+    if (__builtin_expect(fast, 1)) {
+        const vf d = (xv - lo) * lookup(inv, c_lo) - __builtin_convertvector(r, vf);
+        pick = (vi)(d >= MARGIN);
+        const vi unsure = (vi)((vf)((vi)d & 0x7FFFFFFF) < MARGIN); /* |d| < MARGIN */
+        if (__builtin_expect(any_set(unsure), 0)) pick = pick_exact(xv, lo, lookup(next, c_lo), r);
+    } else {
+        pick = pick_exact(xv, lo, lookup(next, c_lo), r);
+    }
+    const vi code = c_lo - pick;
+    const vi v = (vi)lookup(table, code);
+    return (vf)sel(xv != xv, (vi){0} + NAN_BITS, v);
+}
+
+/* the tables of the stochastic kernel: next[c] = values[min(c + 1, nth)], inv as above; returns
+ * whether the estimate's error bound holds for this codebook (every interval and scaled
+ * reciprocal a normal float32) */
+static int32_t lut_sr_tables(const float *values, int32_t nth, vf *next, vf *inv) {
+    int32_t ok = 1;
+    for (int j = 0; j < 16; j++) {
+        (*next)[j] = values[j < nth ? j + 1 : nth];
+        (*inv)[j] = 0.0f;
+        if (j >= nth) continue;
+        const double w = (double)values[j + 1] - (double)values[j];
+        const double rw = 1.0 / w;
+        const float rf = (float)rw;
+        if (!(w >= 1.1754943508222875e-38 && w <= 1e37 && rf >= 1.1754943508222875e-38f && rf <= 1e28f)) ok = 0;
+        (*inv)[j] = rf * 4294967296.0f;
+    }
+    return ok;
+}
+
+void fb_round_lut_sr_f32(const float *x, float *out, int64_t n, const float *th_down, int32_t nth,
+                         const float *values, uint32_t seed_lo, uint32_t seed_hi) {
+    vf t, table, next, inv;
+    lut_setup(th_down, nth, values, &t, &table);
+    const int32_t fast = lut_sr_tables(values, nth, &next, &inv);
+    const int64_t full = n / L * L;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < full; i += L) {
+        vf xv;
+        memcpy(&xv, x + i, sizeof xv);
+        const vf r = lut_sr_block(xv, t, table, next, inv, fast, random_words(seed_lo, seed_hi, i));
+        memcpy(out + i, &r, sizeof r);
+    }
+    if (full < n) {
+        vf xv = {0};
+        memcpy(&xv, x + full, (size_t)(n - full) * 4);
+        const vf r = lut_sr_block(xv, t, table, next, inv, fast, random_words(seed_lo, seed_hi, full));
+        memcpy(out + full, &r, (size_t)(n - full) * 4);
+    }
+}
