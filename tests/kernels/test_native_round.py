@@ -1,7 +1,6 @@
 """The C rounding kernels (fewbits.kernels.native_round, csrc/round32.c) equal the exact reference
-bit for bit: stochastic rounding to every float format of the scaled kind, E8M0 in every mode,
-and codebooks of at most 16 values in every mode, on every boundary input, in every overflow
-policy; plus inputs built to land next to the stochastic decision's threshold (the codebook
+bit for bit: every float format of the scaled, fixed and pow2 kinds and codebooks of at most 16
+values, in every mode and overflow policy, on every boundary input (a sample above 12 bits); plus inputs built to land next to the stochastic decision's threshold (the codebook
 kernel's float32 estimate must hand them to its float64 path), odd lengths, threads and the
 dispatch rules. Skipped where the kernels are not built (no C compiler, or no AVX-512)."""
 import pytest
@@ -12,7 +11,8 @@ from fewbits import FloatFormat, IntFormat, LookupFormat
 from fewbits.kernels import floatround as fr
 from fewbits.kernels import native, native_round
 from fewbits.kernels.random import draw_seed, random_words
-from helpers import assert_same, boundary_inputs, check_boundaries, fmt_id, generator, random_wide_floats, valid_overflows
+from helpers import (assert_same, check_boundaries, check_round, fmt_id, generator, random_wide_floats,
+                     sampled_boundary_inputs, valid_overflows)
 
 pytestmark = pytest.mark.skipif(native_round._library() is None,
                                 reason="the C rounding kernels are not built here (no compiler or no AVX-512)")
@@ -21,7 +21,9 @@ _CANDIDATES = [f for f in fb.list_formats() if f.kind != "lookup"] + [
     fb.get_format(n) for n in ("ue4m3", "e3m2nosub", "int12", "uint10", "e4m3fnuz_nosub")] + [
     FloatFormat(4, 3, bias=-3), FloatFormat(3, 1, specials="none", zero=False, subnormals=False),
     FloatFormat(3, 1, specials="fn", zero=False, subnormals=False, signed=False), IntFormat(16, False)]
-SCALED = [f for f in _CANDIDATES if f.bits <= 16 and fr.fits(f, fr.F32) and fr.kernel_kind(f, fr.F32) == "scaled"]
+C_KINDS = ("scaled", "fixed", "pow2")
+FLOATS = [f for f in _CANDIDATES if f.bits <= 19 and fr.fits(f, fr.F32) and fr.kernel_kind(f, fr.F32) in C_KINDS
+          and f.name != "fp32"]
 CODEBOOKS = [fb.get_format("nf4"),
              LookupFormat("uneven", [-10.0, -0.3125, 2.0 ** -10, 0.25, 7.0]),
              LookupFormat("positive", [0.5, 1.0, 3.0, 10.0]),
@@ -32,21 +34,35 @@ CODEBOOKS = [fb.get_format("nf4"),
 
 
 def test_the_lists_are_what_they_claim():
-    assert {"fp8_e4m3", "fp8_e5m2", "fp16", "fp4_e2m1", "fp6_e3m2", "int8", "uint4"} <= {f.name for f in SCALED}
-    assert fr.kernel_kind(fb.get_format("e8m0"), fr.F32) == "pow2"
+    names = {f.name for f in FLOATS}
+    assert {"fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "tf32", "fp4_e2m1", "fp6_e3m2", "e8m0", "int8", "uint4"} <= names
+    assert {fr.kernel_kind(f, fr.F32) for f in FLOATS} == set(C_KINDS)
 
 
-@pytest.mark.parametrize("fmt", SCALED, ids=fmt_id)
-def test_scaled_stochastic_equals_reference(fmt):
-    for ovf in valid_overflows(fmt):
-        check_boundaries(fmt, torch.float32, "stochastic", ovf, what=f"C {fmt.name} stochastic {ovf}")
-
-
+@pytest.mark.parametrize("fmt", FLOATS, ids=fmt_id)
 @pytest.mark.parametrize("mode", fb.MODES)
-def test_e8m0_equals_reference(mode):
-    fmt = fb.get_format("e8m0")
+def test_float_formats_equal_reference(fmt, mode):
+    """Every boundary input (a deterministic sample of them above 12 bits), every policy."""
     for ovf in valid_overflows(fmt):
-        check_boundaries(fmt, torch.float32, mode, ovf, what=f"C e8m0 {mode} {ovf}")
+        what = f"C {fmt.name} {mode} {ovf}"
+        if fmt.bits <= 12:
+            check_boundaries(fmt, torch.float32, mode, ovf, what=what)
+        else:
+            check_round(sampled_boundary_inputs(fmt, torch.float32, n=300, seed=4), fmt, mode, ovf, seed=9, what=what)
+
+
+def test_float_formats_equal_the_torch_kernels_on_wide_inputs():
+    """2^16 values over 2^-150 .. 2^130 (subnormals, overflow, inf, NaN), every format, mode
+    and policy: the C kernels against the eager torch kernels."""
+    x = random_wide_floats(1 << 16, seed=11, dtype=torch.float32, lo=-150, hi=130)
+    x[:7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 2.0 ** -149, -3e38])
+    for fmt in FLOATS:
+        for ovf in valid_overflows(fmt):
+            for mode in fb.MODES:
+                got = fb.round(x, fmt, mode, ovf, generator=generator(2))
+                with fb.use_backend("eager"):
+                    want = fb.round(x, fmt, mode, ovf, generator=generator(2))
+                assert_same(got, want, x, f"{fmt.name} {mode} {ovf}")
 
 
 @pytest.mark.parametrize("fmt", CODEBOOKS, ids=fmt_id)
@@ -114,4 +130,5 @@ def test_dispatch(monkeypatch):
     fb.round(x.t(), "nf4", "stochastic")                    # not contiguous
     fb.round(x.double(), "nf4", "stochastic")               # not float32
     assert len(calls) == 1
-    assert native_round.try_round(x, fb.get_format("fp8_e4m3"), "nearest_even", "saturate", (0, 0)) is None
+    assert native_round.try_round(x, fb.get_format("fp32"), "nearest_even", "saturate", (0, 0)) is None
+    assert native_round.try_round(x, fb.get_format("ue8m0fn"), "nearest_even", "saturate", (0, 0)) is None  # generic

@@ -113,14 +113,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_lut4_decode.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p]
     lib.fb_lut4_decode.restype = i32
     u32 = ctypes.c_uint32
-    lib.fb_round_scaled_sr_f32.argtypes = [p, p, i64, p, u32, u32]
-    lib.fb_round_scaled_sr_f32.restype = None
+    lib.fb_round_float_f32.argtypes = [p, p, i64, p, i32, i32, u32, u32]
+    lib.fb_round_float_f32.restype = i32
     lib.fb_round_lut_f32.argtypes = [p, p, i64, p, i32, p]
     lib.fb_round_lut_f32.restype = None
     lib.fb_round_lut_sr_f32.argtypes = [p, p, i64, p, i32, p, u32, u32]
     lib.fb_round_lut_sr_f32.restype = None
-    lib.fb_round_pow2_f32.argtypes = [p, p, i64, p, i32, u32, u32]
-    lib.fb_round_pow2_f32.restype = None
     lib.fb_round32_vectorized.argtypes = []
     lib.fb_round32_vectorized.restype = i32
 
@@ -322,11 +320,19 @@ def _check_flat(x: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"out has {out.numel()} values for {x.numel()}")
 
 
-def round_scaled_sr_f32(lib, x: torch.Tensor, out: torch.Tensor, params: torch.Tensor, seed) -> torch.Tensor:
-    """Stochastic rounding of x into out by the scaled kernel (params: int32, the layout of
-    round32.c's P_* enum; seed: the pair of 31-bit seeds)."""
+FLOAT_KINDS = ("scaled", "fixed", "pow2")  # round32.c's kind numbers
+
+
+def round_float_f32(lib, x: torch.Tensor, out: torch.Tensor, params: torch.Tensor, kind: str, mode: int,
+                    seed) -> torch.Tensor:
+    """x rounded into out by floatround's kernel `kind` (scaled, fixed or pow2) and its finishing
+    step; params: int32, round32.c's P_* layout; mode: the index in fewbits.formats.MODES;
+    seed: the pair of 31-bit seeds (stochastic rounding)."""
     _check_flat(x, out)
-    lib.fb_round_scaled_sr_f32(x.data_ptr(), out.data_ptr(), x.numel(), params.data_ptr(), int(seed[0]), int(seed[1]))
+    rc = lib.fb_round_float_f32(x.data_ptr(), out.data_ptr(), x.numel(), params.data_ptr(), FLOAT_KINDS.index(kind),
+                                int(mode), int(seed[0]), int(seed[1]))
+    if rc != 0:
+        raise ValueError(f"fb_round_float_f32 refused kind {kind!r}, mode {mode}")
     return out
 
 
@@ -347,11 +353,3 @@ def round_lut_sr_f32(lib, x: torch.Tensor, out: torch.Tensor, th_down: torch.Ten
                             values.data_ptr(), int(seed[0]), int(seed[1]))
     return out
 
-
-def round_pow2_f32(lib, x: torch.Tensor, out: torch.Tensor, params: torch.Tensor, mode: int, seed) -> torch.Tensor:
-    """Rounding to powers of two from 2^-127 (E8M0) by floatround's pow2 kernel; mode: the index
-    in fewbits.formats.MODES."""
-    _check_flat(x, out)
-    lib.fb_round_pow2_f32(x.data_ptr(), out.data_ptr(), x.numel(), params.data_ptr(), int(mode), int(seed[0]),
-                          int(seed[1]))
-    return out

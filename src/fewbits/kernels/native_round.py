@@ -1,7 +1,9 @@
-"""The C rounding kernels (csrc/round32.c) where they beat the compiled torch code on a CPU, for
-float32 values: stochastic rounding to float formats of the "scaled" kind (fp8, fp6, fp4, fp16,
-ints ...), E8M0 (the "pow2" kind) in every mode, and codebooks of at most 16 values (NF4 ...) in
-every mode. Built for AVX-512 only: elsewhere the compiled torch kernels are faster.
+"""The C rounding kernels (csrc/round32.c) for float32 values on a CPU, in every mode: float
+formats of floatround's scaled kind (fp8, fp6, fp4, fp16, ints ...), fixed kind (bf16, tf32)
+and pow2 kind (E8M0), and codebooks of at most 16 values (NF4 ...). The compiled torch kernels
+ran stochastic rounding, E8M0 and codebooks well below memory speed; these run at it (see
+benchmarks/bench_round.py). Built for AVX-512 only: elsewhere the compiled torch kernels are
+faster, and stay.
 
 They run under the default backend ("auto") when fewbits.kernels.native could build its
 library; `use_backend("eager" | "compiled")`, FEWBITS_NATIVE=0 and `native.turned_off()` keep the
@@ -25,21 +27,15 @@ _FINISH_KEYS = ("maxp", "maxn", "ovfp", "ovfn", "infp", "infn", "sat", "signed",
 
 
 @functools.lru_cache(maxsize=256)
-def scaled_params(fmt, overflow: str) -> torch.Tensor:
-    """int32 [m, m_sub, emin_b, clamp, *finish_spec] of fmt in the float32 domain."""
+def float_params(fmt, overflow: str, kind: str) -> torch.Tensor:
+    """int32 [m (pow2: the exponent codes' parity flip), m_sub, emin_b, clamp, *finish_spec] of
+    fmt in the float32 domain: round32.c's P_* layout."""
     sp = fr._static_params(fmt, fr.F32, overflow)
     spec = fr.finish_spec(fmt, fr.F32, overflow)
-    vals = [sp[fr.I_M], sp[fr.I_MSUB], sp[fr.I_EMINB], sp[fr.I_CLAMP], *spec]
+    first = sp[fr.I_PFLIP] if kind == "pow2" else sp[fr.I_M]
+    vals = [first, sp[fr.I_MSUB], sp[fr.I_EMINB], sp[fr.I_CLAMP], *spec]
     assert len(spec) == len(_FINISH_KEYS)
     return torch.tensor([int(v) for v in vals], dtype=torch.int32)
-
-
-@functools.lru_cache(maxsize=64)
-def pow2_params(fmt, overflow: str) -> torch.Tensor:
-    """scaled_params' layout for the pow2 kernel: the parity flip of the exponent codes first."""
-    p = scaled_params(fmt, overflow).clone()
-    p[0] = fr._static_params(fmt, fr.F32, overflow)[fr.I_PFLIP]
-    return p
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,12 +85,12 @@ def try_round(t: torch.Tensor, fmt, mode: str, overflow: str, seed, out=None) ->
     if not fr.fits(fmt, fr.F32):
         return None
     kind = fr.kernel_kind(fmt, fr.F32)
-    if not (kind == "pow2" or (kind == "scaled" and mode == "stochastic")):
+    if kind not in native.FLOAT_KINDS:
         return None
+    if kind == "fixed" and not 0 <= fr._static_params(fmt, fr.F32, overflow)[fr.I_M] <= 22:
+        return None  # nothing to drop (fp32 itself): the torch kernel
     lib = _library()
     if lib is None:
         return None
     dst = out if out is not None else torch.empty_like(t)
-    if kind == "pow2":
-        return native.round_pow2_f32(lib, t, dst, pow2_params(fmt, overflow), MODES.index(mode), seed)
-    return native.round_scaled_sr_f32(lib, t, dst, scaled_params(fmt, overflow), seed)
+    return native.round_float_f32(lib, t, dst, float_params(fmt, overflow, kind), kind, MODES.index(mode), seed)

@@ -107,10 +107,20 @@ static inline vi finish(vi a, vi neg, vi r_bits, const int32_t *p, vi rz) {
     return res | (sign & ((vi){0} + (int32_t)0x80000000));
 }
 
-/* floatround._scaled_bits(mode="stochastic") then floatround._finish, on 16 values (bits u):
- * y = |x| / step exactly, n = floor(y) + (word < (y - floor(y)) * 2^32), result n * step; then
- * overflow, infinities, NaN, the unsigned range, a missing zero and the sign. */
-static inline vi scaled_sr_block(vi u, const int32_t *p, vu r) {
+/* Modes, in fewbits.formats.MODES order */
+enum { NEAREST_EVEN, NEAREST_AWAY, TOWARD_ZERO, UP, DOWN, STOCHASTIC };
+
+/* the lanes whose mode rounds toward zero (for _finish) */
+static inline vi toward_zero_lanes(vi neg, const int mode) {
+    if (mode == TOWARD_ZERO) return ~(vi){0};
+    if (mode == UP) return neg;
+    if (mode == DOWN) return ~neg;
+    return (vi){0};
+}
+
+/* floatround._scaled_bits (formats whose smallest step is a normal float32 number: fp8, fp6,
+ * fp4, fp16, ints ...): y = |x| / step exactly, rounded to an integer in the mode, times step */
+static inline vi scaled_block(vi u, const int32_t *p, const int mode, vu r) {
     const vi neg = u < 0;
     const vi a = u & 0x7FFFFFFF;
     const vi a_cl = sel(a < p[P_CLAMP], a, (vi){0} + p[P_CLAMP]);
@@ -121,92 +131,103 @@ static inline vi scaled_sr_block(vi u, const int32_t *p, vu r) {
     const vf y = (vf)a_cl * inv_step;
     /* 0 <= y < 2^24 (|x| is clamped to 4x the format's range): floor is truncation */
     const vf fl = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
-    const vu thr = __builtin_convertvector((y - fl) * 4294967296.0f, vu); /* < 2^32 */
-    const vi up = (vi)(r < thr);                                            /* -1 or 0 */
-    const vf q = fl + __builtin_convertvector(up & 1, vf);
+    vf q;
+    if (mode == NEAREST_EVEN) { /* below 2^23, adding and taking away 2^23 rounds half to even */
+        const vf big = (vf){0} + 8388608.0f;
+        q = (vf)sel((vi)(y < big), (vi)((y + big) - big), (vi)y);
+    } else if (mode == NEAREST_AWAY) {
+        q = fl + __builtin_convertvector((vi)(y - fl >= 0.5f) & 1, vf);
+    } else if (mode == TOWARD_ZERO) {
+        q = fl;
+    } else if (mode == UP || mode == DOWN) {
+        const vi away = mode == UP ? ~neg : neg;
+        q = fl + __builtin_convertvector(away & (vi)(y != fl) & 1, vf);
+    } else {
+        const vu thr = __builtin_convertvector((y - fl) * 4294967296.0f, vu); /* < 2^32 */
+        q = fl + __builtin_convertvector((vi)(r < thr) & 1, vf);
+    }
     const vi r_bits = (vi)(q * step);
-    return finish(a, neg, r_bits, p, (vi){0});
+    return finish(a, neg, r_bits, p, toward_zero_lanes(neg, mode));
 }
 
-void fb_round_scaled_sr_f32(const float *x, float *out, int64_t n, const int32_t *p,
-                            uint32_t seed_lo, uint32_t seed_hi) {
-    const int64_t full = n / L * L;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < full; i += L) {
-        vi u;
-        memcpy(&u, x + i, sizeof u);
-        const vi res = scaled_sr_block(u, p, random_words(seed_lo, seed_hi, i));
-        memcpy(out + i, &res, sizeof res);
-    }
-    if (full < n) {
-        vi u = {0};
-        memcpy(&u, x + full, (size_t)(n - full) * 4);
-        const vi res = scaled_sr_block(u, p, random_words(seed_lo, seed_hi, full));
-        memcpy(out + full, &res, (size_t)(n - full) * 4);
-    }
+/* the increment of floatround._increment: whether the kept magnitude goes up one step, from the
+ * k dropped bits `lower` (0 < k <= 23), as -1 / 0 */
+static inline vi increment(vi lower, vi kept, vi k, vi neg, vi odd_ok, const int mode, vu r) {
+    if (mode == TOWARD_ZERO) return (vi){0};
+    if (mode == UP || mode == DOWN) return (lower != 0) & (mode == UP ? ~neg : neg);
+    if (mode == STOCHASTIC) return (vi)(r < ((vu)lower << (vu)(32 - k)));
+    const vi half = (1 << k) >> 1;
+    if (mode == NEAREST_AWAY) return (lower >= half) & (lower != 0);
+    return (lower > half) | ((lower == half) & (lower != 0) & ((kept & 1 & odd_ok) != 0));
 }
 
-/* floatround._pow2_bits then _finish (E8M0 from float32: powers of two from 2^-127 up): normal
- * inputs keep their exponent (P = 23 bits dropped), subnormal ones hold 2^-127 in their top
- * mantissa bit (22 dropped). mode: 0 nearest_even, 1 nearest_away, 2 toward_zero, 3 up,
- * 4 down, 5 stochastic (fewbits.formats.MODES order). p: scaled_params' layout, P_M holding
- * the parity flip of the exponent codes. */
+/* floatround._fixed_bits (formats with float32's exponent range and subnormals: bf16, tf32 ...):
+ * drop k = 23 - m mantissa bits of every value */
+static inline vi fixed_block(vi u, const int32_t *p, const int mode, vu r) {
+    const vi neg = u < 0;
+    const vi a = u & 0x7FFFFFFF;
+    const vi k = (vi){0} + (23 - p[P_M]);
+    const vi kept = a >> k;
+    const vi inc = increment(a & ((1 << k) - 1), kept, k, neg, ~(vi){0}, mode, r);
+    return finish(a, neg, (kept - inc) << k, p, toward_zero_lanes(neg, mode));
+}
+
+/* floatround._pow2_bits (E8M0 from float32: powers of two from 2^-127 up): normal inputs keep
+ * their exponent (23 bits dropped), subnormal ones hold 2^-127 in their top mantissa bit (22
+ * dropped); ties below 2^-126 stay (zero and 2^-127 both have even codes). P_M holds the parity
+ * flip of the exponent codes. */
 static inline vi pow2_block(vi u, const int32_t *p, const int mode, vu r) {
     const vi neg = u < 0;
     const vi a = u & 0x7FFFFFFF;
     const vi sub = (a >> 23) == 0; /* -1 or 0 */
     const vi k = 23 + sub;
     const vi kept = a >> k;
-    const vi lower = a & ((1 << k) - 1);
-    vi inc, rz = {0};
-    if (mode == 0) {
-        const vi half = (1 << k) >> 1;
-        const vi odd = ((kept ^ p[P_M]) & 1) & ~sub; /* ties below 2^-126 stay */
-        inc = (lower > half) | ((lower == half) & (lower != 0) & (odd != 0));
-    } else if (mode == 1) {
-        const vi half = (1 << k) >> 1;
-        inc = (lower >= half) & (lower != 0);
-    } else if (mode == 2) {
-        inc = (vi){0};
-        rz = ~rz;
-    } else if (mode == 3 || mode == 4) {
-        const vi away = mode == 3 ? ~neg : neg;
-        inc = (lower != 0) & away;
-        rz = ~away;
-    } else {
-        const vu thr = (vu)lower << (vu)(32 - k); /* k <= 23: the dropped bits as a 32-bit fraction */
-        inc = (vi)(r < thr);
-    }
-    const vi r_bits = (kept - inc) << k; /* inc is -1 or 0 */
-    return finish(a, neg, r_bits, p, rz);
+    const vi inc = increment(a & ((1 << k) - 1), kept ^ p[P_M], k, neg, ~sub, mode, r);
+    return finish(a, neg, (kept - inc) << k, p, toward_zero_lanes(neg, mode));
 }
 
-#define POW2_LOOP(MODE)                                                                           \
-    _Pragma("omp parallel for schedule(static)")                                                 \
-    for (int64_t i = 0; i < full; i += L) {                                                      \
-        vi u;                                                                                    \
-        memcpy(&u, x + i, sizeof u);                                                             \
-        const vi res = pow2_block(u, p, MODE, random_words(seed_lo, seed_hi, i));               \
-        memcpy(out + i, &res, sizeof res);                                                       \
+enum { KIND_SCALED, KIND_FIXED, KIND_POW2 };
+
+#define ROUND_LOOP(BLOCK, MODE)                                                                   \
+    {                                                                                            \
+        _Pragma("omp parallel for schedule(static)")                                             \
+        for (int64_t i = 0; i < full; i += L) {                                                  \
+            vi u;                                                                                \
+            memcpy(&u, x + i, sizeof u);                                                         \
+            const vi res = BLOCK(u, p, MODE, random_words(seed_lo, seed_hi, i));                \
+            memcpy(out + i, &res, sizeof res);                                                   \
+        }                                                                                        \
+        if (full < n) {                                                                          \
+            vi u = {0};                                                                          \
+            memcpy(&u, x + full, (size_t)(n - full) * 4);                                        \
+            const vi res = BLOCK(u, p, MODE, random_words(seed_lo, seed_hi, full));             \
+            memcpy(out + full, &res, (size_t)(n - full) * 4);                                    \
+        }                                                                                        \
     }
 
-void fb_round_pow2_f32(const float *x, float *out, int64_t n, const int32_t *p, int32_t mode,
-                       uint32_t seed_lo, uint32_t seed_hi) {
+#define MODE_SWITCH(BLOCK)                                                                        \
+    switch (mode) {                                                                              \
+    case NEAREST_EVEN: ROUND_LOOP(BLOCK, NEAREST_EVEN) break;                                    \
+    case NEAREST_AWAY: ROUND_LOOP(BLOCK, NEAREST_AWAY) break;                                    \
+    case TOWARD_ZERO: ROUND_LOOP(BLOCK, TOWARD_ZERO) break;                                      \
+    case UP: ROUND_LOOP(BLOCK, UP) break;                                                        \
+    case DOWN: ROUND_LOOP(BLOCK, DOWN) break;                                                    \
+    default: ROUND_LOOP(BLOCK, STOCHASTIC) break;                                                \
+    }
+
+/* floatround's kernel `kind` (0 scaled, 1 fixed, 2 pow2) then _finish, for float32 values in
+ * mode `mode`; p: fewbits.kernels.native_round.float_params. Returns 0, or -1 for an unknown
+ * kind or mode (nothing written). */
+int32_t fb_round_float_f32(const float *x, float *out, int64_t n, const int32_t *p, int32_t kind,
+                           int32_t mode, uint32_t seed_lo, uint32_t seed_hi) {
     const int64_t full = n / L * L;
-    switch (mode) {
-    case 0: POW2_LOOP(0) break;
-    case 1: POW2_LOOP(1) break;
-    case 2: POW2_LOOP(2) break;
-    case 3: POW2_LOOP(3) break;
-    case 4: POW2_LOOP(4) break;
-    default: POW2_LOOP(5) break;
-    }
-    if (full < n) {
-        vi u = {0};
-        memcpy(&u, x + full, (size_t)(n - full) * 4);
-        const vi res = pow2_block(u, p, mode, random_words(seed_lo, seed_hi, full));
-        memcpy(out + full, &res, (size_t)(n - full) * 4);
-    }
+    if (mode < NEAREST_EVEN || mode > STOCHASTIC) return -1;
+    if (kind == KIND_FIXED && (p[P_M] < 0 || p[P_M] > 22)) return -1;
+    if (kind == KIND_SCALED) MODE_SWITCH(scaled_block)
+    else if (kind == KIND_FIXED) MODE_SWITCH(fixed_block)
+    else if (kind == KIND_POW2) MODE_SWITCH(pow2_block)
+    else return -1;
+    return 0;
 }
 
 /* #{j: x > t[j]} for ascending thresholds t (unused ones +inf; NaN counts none): a branch-free
