@@ -230,17 +230,44 @@ int32_t fb_round_float_f32(const float *x, float *out, int64_t n, const int32_t 
     return 0;
 }
 
-/* #{j: x > t[j]} for ascending thresholds t (unused ones +inf; NaN counts none): a branch-free
- * binary search, four table lookups */
-static inline vi count_below(vf xv, vf t) {
-    vi c = {0};
-    for (int s = 8; s >= 1; s >>= 1) c += (vi)(xv > lookup(t, c + (s - 1))) & s;
+/* The ascending thresholds t[0..14] (unused ones +inf) as a branch-free binary search reads
+ * them: step s compares x with t[c + s - 1], so each step's table is t shifted by s - 1. */
+typedef struct { vf t4, t2, t1; float t8; } search_tables;
+
+static void search_setup(vf t, search_tables *st) {
+    for (int j = 0; j < 16; j++) {
+        st->t4[j] = j + 3 < 16 ? t[j + 3] : __builtin_inff();
+        st->t2[j] = j + 1 < 16 ? t[j + 1] : __builtin_inff();
+        st->t1[j] = t[j];
+    }
+    st->t8 = t[7];
+}
+
+/* #{j: x > t[j]} (NaN counts none) */
+static inline vi count_below(vf xv, const search_tables *st) {
+#if defined(__AVX512F__)
+    const __m512 x = (__m512)xv;
+    __m512i c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, _mm512_set1_ps(st->t8), _CMP_GT_OQ),
+                                       _mm512_set1_epi32(8));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, (__m512)st->t4), _CMP_GT_OQ),
+                              c, _mm512_set1_epi32(4));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, (__m512)st->t2), _CMP_GT_OQ),
+                              c, _mm512_set1_epi32(2));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, (__m512)st->t1), _CMP_GT_OQ),
+                              c, _mm512_set1_epi32(1));
+    return (vi)c;
+#else
+    vi c = (vi)(xv > st->t8) & 8;
+    c += (vi)(xv > lookup(st->t4, c)) & 4;
+    c += (vi)(xv > lookup(st->t2, c)) & 2;
+    c += (vi)(xv > lookup(st->t1, c)) & 1;
     return c;
+#endif
 }
 
 /* lookupround._round_f32 on 16 values: value[#{j: x > th[j]}], NaN for NaN (t: 15 thresholds,
  * unused ones +inf; table: the values, padded) */
-static inline vf lut_block(vf xv, vf t, vf table) {
+static inline vf lut_block(vf xv, const search_tables *t, vf table) {
     const vi c = count_below(xv, t);
     const vi v = (vi)lookup(table, c);
     return (vf)sel(xv != xv, (vi){0} + NAN_BITS, v);
@@ -254,20 +281,22 @@ static void lut_setup(const float *th, int32_t nth, const float *values, vf *t, 
 /* thresholds th (nth <= 15, ascending), values (nth + 1) */
 void fb_round_lut_f32(const float *x, float *out, int64_t n, const float *th, int32_t nth,
                       const float *values) {
-    vf t, table;
-    lut_setup(th, nth, values, &t, &table);
+    vf th16, table;
+    search_tables t;
+    lut_setup(th, nth, values, &th16, &table);
+    search_setup(th16, &t);
     const int64_t full = n / L * L;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < full; i += L) {
         vf xv;
         memcpy(&xv, x + i, sizeof xv);
-        const vf r = lut_block(xv, t, table);
+        const vf r = lut_block(xv, &t, table);
         memcpy(out + i, &r, sizeof r);
     }
     if (full < n) {
         vf xv = {0};
         memcpy(&xv, x + full, (size_t)(n - full) * 4);
-        const vf r = lut_block(xv, t, table);
+        const vf r = lut_block(xv, &t, table);
         memcpy(out + full, &r, (size_t)(n - full) * 4);
     }
 }
@@ -318,7 +347,7 @@ __attribute__((noinline)) static vi pick_exact(vf xv, vf lo, vf nxt, vu r) {
  * takes the float64 path for all its lanes. */
 #define MARGIN 4096.0f
 
-static inline vf lut_sr_block(vf xv, vf t, vf table, vf next, vf inv, int32_t fast, vu r) {
+static inline vf lut_sr_block(vf xv, const search_tables *t, vf table, vf next, vf inv, int32_t fast, vu r) {
     const vi c_lo = count_below(xv, t);
     const vf lo = lookup(table, c_lo);
     vi pick;
@@ -355,21 +384,23 @@ static int32_t lut_sr_tables(const float *values, int32_t nth, vf *next, vf *inv
 
 void fb_round_lut_sr_f32(const float *x, float *out, int64_t n, const float *th_down, int32_t nth,
                          const float *values, uint32_t seed_lo, uint32_t seed_hi) {
-    vf t, table, next, inv;
-    lut_setup(th_down, nth, values, &t, &table);
+    vf th16, table, next, inv;
+    search_tables t;
+    lut_setup(th_down, nth, values, &th16, &table);
+    search_setup(th16, &t);
     const int32_t fast = lut_sr_tables(values, nth, &next, &inv);
     const int64_t full = n / L * L;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < full; i += L) {
         vf xv;
         memcpy(&xv, x + i, sizeof xv);
-        const vf r = lut_sr_block(xv, t, table, next, inv, fast, random_words(seed_lo, seed_hi, i));
+        const vf r = lut_sr_block(xv, &t, table, next, inv, fast, random_words(seed_lo, seed_hi, i));
         memcpy(out + i, &r, sizeof r);
     }
     if (full < n) {
         vf xv = {0};
         memcpy(&xv, x + full, (size_t)(n - full) * 4);
-        const vf r = lut_sr_block(xv, t, table, next, inv, fast, random_words(seed_lo, seed_hi, full));
+        const vf r = lut_sr_block(xv, &t, table, next, inv, fast, random_words(seed_lo, seed_hi, full));
         memcpy(out + full, &r, (size_t)(n - full) * 4);
     }
 }
