@@ -17,8 +17,10 @@ values to each format and back to float32:
 
 The references only round to nearest-even; every mode of a format is compared with the same
 reference. Measurements are interleaved: each round runs every callable of one format once, back
-to back (copy, clone, torch, ml_dtypes, then fewbits alloc and out= for every mode), and the
-figure reported is the median over rounds (--stat min for the minimum). The compiled kernels are
+to back (copy, clone, torch, ml_dtypes, then fewbits alloc and out= for every mode, and e4m3's
+alloc and out= again for the "0.8x of e4m3" target, so that both sides of that ratio are
+measured in the same rounds), and the figure reported is the median over rounds (--stat min for
+the minimum). The compiled kernels are
 warmed up (compiled) before any timing. The input mixes scales 2**-20 .. 2**20 so that normal,
 subnormal, underflow and overflow paths are all exercised.
 
@@ -224,13 +226,19 @@ def measure(args):
         ref_t = Timed(("torch", fmt), tfn, n) if tfn else None
         ref_m = Timed(("ml_dtypes", fmt), mfn, n) if mfn else None
         group += [t for t in (ref_t, ref_m) if t]
-        per_mode = {}
+        per_mode, e4m3_refs = {}, {}
         for mode in modes:
             alloc, outp, cs = fewbits_callables(fmt, mode, x, buf, args)
             if cs > 1.0:
                 log(f"    {mode}: compiled/warmed in {cs:.1f} s")
             per_mode[mode] = (alloc, outp)
             group += [alloc, outp]
+            if fmt != E4M3 and E4M3 in formats:
+                # e4m3 again, in this format's rounds: the "0.8x of e4m3" target compares
+                # callables measured back to back, not minutes apart on a shared machine
+                ra, ro, _ = fewbits_callables(E4M3, mode, x, buf, args)
+                e4m3_refs[mode] = (ra, ro)
+                group += [ra, ro]
         for t in group[2:]:
             t.warm()
         # ml_dtypes is single-threaded and slow: cap its repeats so it does not dominate the run
@@ -241,7 +249,8 @@ def measure(args):
                 t.run()
         for mode in modes:
             alloc, outp = per_mode[mode]
-            rows.append(dict(format=fmt, mode=mode, alloc=alloc, out=outp,
+            ra, ro = e4m3_refs.get(mode, (None, None))
+            rows.append(dict(format=fmt, mode=mode, alloc=alloc, out=outp, e4m3_alloc=ra, e4m3_out=ro,
                              torch=ref_t, torch_name=tname, ml=ref_m, ml_name=mname))
     # ml_dtypes types with no fewbits format in this run: reference only
     if ml_dtypes is not None and not args.no_ref_only and xn is not None:
@@ -333,13 +342,14 @@ def evaluate_targets(rows, stat):
                   f"{ours:.0f} vs {t:.0f}" if t else "")
             check("e4m3 >= 6x ml_dtypes", f"{E4M3} {NEAREST}", col, ratio(ours, m), 6.0,
                   f"{ours:.0f} vs {m:.0f}" if m else "")
-    # 2. every other format >= 0.8x of e4m3 (same mode)
+    # 2. every other format >= 0.8x of e4m3 (same mode; e4m3 as measured in that format's rounds)
     for (fmt, mode), r in by.items():
         base = by.get((E4M3, mode))
         if fmt == E4M3 or base is None:
             continue
         for col, key in cols:
-            ours, b = mrate(r[key], stat), mrate(base[key], stat)
+            ref = r.get(f"e4m3_{key}") or base[key]
+            ours, b = mrate(r[key], stat), mrate(ref, stat)
             check("format >= 0.8x e4m3", f"{fmt} {mode}", col, ratio(ours, b), 0.8, f"{ours:.0f} vs {b:.0f}")
     # 3. stochastic >= 0.5x nearest (same format)
     for (fmt, mode), r in by.items():
@@ -402,7 +412,8 @@ def to_json(rows, refs_only, copy, clone, results, args):
                  processor=platform.processor(), cpus=os.cpu_count()),
         copy=t_json(copy), clone=t_json(clone),
         rows=[dict(format=r["format"], mode=r["mode"], fewbits_alloc=t_json(r["alloc"]),
-                   fewbits_out=t_json(r["out"]), torch_dtype=r["torch_name"], torch=t_json(r["torch"]),
+                   fewbits_out=t_json(r["out"]), e4m3_alloc_same_rounds=t_json(r["e4m3_alloc"]),
+                   e4m3_out_same_rounds=t_json(r["e4m3_out"]), torch_dtype=r["torch_name"], torch=t_json(r["torch"]),
                    ml_dtypes_type=r["ml_name"], ml_dtypes=t_json(r["ml"])) for r in rows],
         ml_dtypes_reference_only={name: t_json(t) for name, t in refs_only},
         targets=results,

@@ -163,13 +163,23 @@ static inline vi increment(vi lower, vi kept, vi k, vi neg, vi odd_ok, const int
 
 /* floatround._fixed_bits (formats with float32's exponent range and subnormals: bf16, tf32 ...):
  * drop k = 23 - m mantissa bits of every value */
+/* Round to nearest by one addition: a + half - 1 + tie_up carries into bit k exactly when the
+ * dropped bits exceed half, or equal it and the tie goes up (the carry may run into the
+ * exponent: the next binade, or past the largest value for _finish to see). */
+static inline vi nearest_by_addition(vi a, vi k, vi tie_up) {
+    return ((a + (((1 << k) >> 1) - 1) + (tie_up & 1)) >> k) << k;
+}
+
 static inline vi fixed_block(vi u, const int32_t *p, const int mode, vu r) {
     const vi neg = u < 0;
     const vi a = u & 0x7FFFFFFF;
     const vi k = (vi){0} + (23 - p[P_M]);
     const vi kept = a >> k;
-    const vi inc = increment(a & ((1 << k) - 1), kept, k, neg, ~(vi){0}, mode, r);
-    return finish(a, neg, (kept - inc) << k, p, toward_zero_lanes(neg, mode));
+    vi r_bits;
+    if (mode == NEAREST_EVEN) r_bits = nearest_by_addition(a, k, kept);
+    else if (mode == NEAREST_AWAY) r_bits = nearest_by_addition(a, k, ~(vi){0});
+    else r_bits = (kept - increment(a & ((1 << k) - 1), kept, k, neg, ~(vi){0}, mode, r)) << k;
+    return finish(a, neg, r_bits, p, toward_zero_lanes(neg, mode));
 }
 
 /* floatround._pow2_bits (E8M0 from float32: powers of two from 2^-127 up): normal inputs keep
@@ -182,8 +192,11 @@ static inline vi pow2_block(vi u, const int32_t *p, const int mode, vu r) {
     const vi sub = (a >> 23) == 0; /* -1 or 0 */
     const vi k = 23 + sub;
     const vi kept = a >> k;
-    const vi inc = increment(a & ((1 << k) - 1), kept ^ p[P_M], k, neg, ~sub, mode, r);
-    return finish(a, neg, (kept - inc) << k, p, toward_zero_lanes(neg, mode));
+    vi r_bits;
+    if (mode == NEAREST_EVEN) r_bits = nearest_by_addition(a, k, (kept ^ p[P_M]) & ~sub);
+    else if (mode == NEAREST_AWAY) r_bits = nearest_by_addition(a, k, ~(vi){0});
+    else r_bits = (kept - increment(a & ((1 << k) - 1), kept ^ p[P_M], k, neg, ~sub, mode, r)) << k;
+    return finish(a, neg, r_bits, p, toward_zero_lanes(neg, mode));
 }
 
 enum { KIND_SCALED, KIND_FIXED, KIND_POW2 };
