@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("rowquant.c", "lut4.c", "round32.c")
+HEADERS = ("vec16.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
 # torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under
@@ -71,7 +72,7 @@ def _build(cc: str) -> Path:
     sources = [src_dir / s for s in SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in sources), version.encode(), " ".join(CFLAGS + OPENMP_FLAGS).encode(),
+    for part in (*(s.read_bytes() for s in sources), *((src_dir / h).read_bytes() for h in HEADERS), version.encode(), " ".join(CFLAGS + OPENMP_FLAGS).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")

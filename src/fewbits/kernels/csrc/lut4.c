@@ -16,20 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define L 16
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int32_t vi __attribute__((vector_size(4 * L)));
+#include "vec16.h"
 typedef uint8_t vb __attribute__((vector_size(L)));
-
-static inline vf lookup(vf table, vi idx) {
-#if defined(__GNUC__) && !defined(__clang__)
-    return __builtin_shuffle(table, idx);
-#else /* clang's shuffles take constant indices only */
-    vf r;
-    for (int l = 0; l < L; l++) r[l] = table[idx[l] & 15];
-    return r;
-#endif
-}
 
 static inline float hsum(vf v) {
     float s = 0.0f;

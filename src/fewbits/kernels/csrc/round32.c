@@ -18,9 +18,7 @@
 #include <immintrin.h>
 #endif
 
-#define L 16
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int32_t vi __attribute__((vector_size(4 * L)));
+#include "vec16.h"
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef double vd __attribute__((vector_size(8 * L)));
 typedef int64_t vl __attribute__((vector_size(8 * L)));
@@ -38,16 +36,6 @@ static inline int any_set(vi v) {
     const vi b = a | __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     const vi c = b | __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     return (c[0] | c[1]) != 0;
-#endif
-}
-
-static inline vf lookup(vf table, vi idx) {
-#if defined(__GNUC__) && !defined(__clang__)
-    return __builtin_shuffle(table, idx);
-#else /* clang's shuffles take constant indices only */
-    vf r;
-    for (int l = 0; l < L; l++) r[l] = table[idx[l] & 15];
-    return r;
 #endif
 }
 
