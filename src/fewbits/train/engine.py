@@ -422,11 +422,11 @@ class Engine:
             for e in entries:
                 m0, w0 = before[id(e)]
                 intended = m0 != e.master.detach()
-                n_int = int(intended.sum())
                 stored = e.master.detach() if not no_master else e.stored()
                 stored0 = m0 if not no_master else w0
-                n_landed = int((intended & (stored != stored0)).sum())
-                self.telemetry.record_lost_updates(self.step_count, e.name, n_int, n_landed)
+                # counts as tensors: telemetry reads them later, without a wait for the device here
+                self.telemetry.record_lost_updates(self.step_count, e.name, intended.sum(),
+                                                   (intended & (stored != stored0)).sum())
                 if not no_master:
                     self.telemetry.record_cast(self.step_count, e.name, "weights", self.weights_fmt,
                                                e.master.detach(), e.working.detach())

@@ -16,6 +16,11 @@ Per (step, layer, role):
               value did not change (the update vanished in the storage format)
 Exponent histograms (floor(log2 |x|) of the unrounded values, per role) are accumulated for the
 plot in the style of Micikevicius et al. 2018, Figure 3, with the format's range marked.
+
+Recording never waits for the device: the figures of a cast stay tensors (on the tensor's
+device) until someone reads them (`rows`, `hist`, `hist_zeros`, the summaries, the plot), and
+then all pending ones are copied at once. On a GPU this turns several synchronisations per cast
+into one per read.
 """
 from __future__ import annotations
 
@@ -41,10 +46,54 @@ class Telemetry:
         if every < 1:
             raise ValueError(f"telemetry every must be >= 1, got {every}")
         self.every, self.max_samples, self.sqnr, self.histograms = every, max_samples, sqnr, histograms
-        self.rows: list[dict] = []
-        self.hist: dict[str, torch.Tensor] = {}
-        self.hist_zeros: dict[str, int] = {}
+        self._rows: list[dict] = []
+        self._pending: list[tuple[dict, torch.Tensor, str]] = []  # (row, figures on the device, kind)
+        self._hist: dict[str, torch.Tensor] = {}
+        self._hist_zeros: dict[str, int | torch.Tensor] = {}
         self.hist_format: dict[str, str] = {}
+
+    # --- what has been recorded (read: the pending figures are fetched first) ------------------
+    @property
+    def rows(self) -> list[dict]:
+        self._flush()
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: list[dict]) -> None:
+        self._pending.clear()
+        self._rows = value
+
+    @property
+    def hist(self) -> dict[str, torch.Tensor]:
+        """Per role: counts of floor(log2 |x|) over EXP_LO..EXP_HI (int64, on the CPU)."""
+        self._flush()
+        return self._hist
+
+    @property
+    def hist_zeros(self) -> dict[str, int]:
+        self._flush()
+        return self._hist_zeros
+
+    def _flush(self) -> None:
+        """Fill in the pending rows and histograms: one copy per device."""
+        if self._pending:
+            by_device: dict = {}
+            for i, (_, fig, _) in enumerate(self._pending):
+                by_device.setdefault(fig.device, []).append(i)
+            values: list = [None] * len(self._pending)
+            for idx in by_device.values():
+                rows = torch.stack([self._pending[i][1] for i in idx]).tolist()
+                for i, v in zip(idx, rows):
+                    values[i] = v
+            for (row, _, kind), v in zip(self._pending, values):
+                _fill(row, kind, v)
+            self._pending.clear()
+        for role, z in self._hist_zeros.items():
+            if isinstance(z, torch.Tensor):
+                self._hist_zeros[role] = int(z)
+        for role, h in self._hist.items():
+            if h.device.type != "cpu":
+                self._hist[role] = h.cpu()
 
     def wants(self, step: int) -> bool:
         return step % self.every == 0
@@ -65,41 +114,45 @@ class Telemetry:
         xs = self._sample(before)
         qs = self._sample(after) if after is not None else round_to(xs, fmt)
         nonzero = xs != 0
-        n_nonzero = int(nonzero.sum())
-        flushed = int((nonzero & (qs == 0)).sum())
         top = fmt.max if top is None else top
-        sat = int((nonzero & ((qs.abs() >= top) | ~torch.isfinite(qs))).sum())
-        row = {"step": step, "layer": layer, "role": role, "format": fmt.name,
-               "amax": float(before.detach().abs().amax()) if before.numel() else 0.0,
-               "underflow": flushed / n_nonzero if n_nonzero else 0.0,
-               "saturated": sat / n_nonzero if n_nonzero else 0.0,
-               "nonzero": n_nonzero}
-        if self.sqnr:
-            noise = float(((xs - qs) ** 2).sum())
-            signal = float((xs ** 2).sum())
-            if noise == 0:
-                row["sqnr_db"] = math.inf
-            elif not math.isfinite(noise) or signal == 0:
-                row["sqnr_db"] = -math.inf
-            else:
-                row["sqnr_db"] = 10 * math.log10(signal / noise)
-        self.rows.append(row)
+        b = before.detach()
+        amax = b.abs().amax().double() if b.numel() else torch.zeros((), dtype=torch.float64, device=b.device)
+        figures = [nonzero.sum().double(), (nonzero & (qs == 0)).sum().double(),
+                   (nonzero & ((qs.abs() >= top) | ~torch.isfinite(qs))).sum().double(), amax]
+        if self.sqnr:  # float32 sums, as float64 (exact)
+            figures += [((xs - qs) ** 2).sum().double(), (xs ** 2).sum().double()]
+        row = {"step": step, "layer": layer, "role": role, "format": fmt.name}
+        self._rows.append(row)
+        self._pending.append((row, _padded(torch.stack(figures).to(b.device)), "cast_sqnr" if self.sqnr else "cast"))
         if self.histograms:
             self._histogram(role, fmt.name, xs)
 
     def _histogram(self, role: str, fmt_name: str, xs: torch.Tensor) -> None:
-        finite = xs[torch.isfinite(xs)]
-        nz = finite[finite != 0]
-        self.hist_zeros[role] = self.hist_zeros.get(role, 0) + int(finite.numel() - nz.numel())
-        e = (torch.frexp(nz).exponent - 1).clamp(EXP_LO, EXP_HI) - EXP_LO
-        counts = torch.bincount(e, minlength=EXP_HI - EXP_LO + 1)
-        self.hist[role] = self.hist.get(role, torch.zeros_like(counts)) + counts
+        finite = torch.isfinite(xs)
+        nonzero = finite & (xs != 0)
+        nbins = EXP_HI - EXP_LO + 1
+        e = (torch.frexp(xs).exponent - 1).clamp(EXP_LO, EXP_HI) - EXP_LO
+        e = torch.where(nonzero, e, nbins).to(torch.int64)  # zeros, inf and NaN: an extra bin, dropped
+        counts = torch.zeros(nbins + 1, dtype=torch.int64, device=xs.device)
+        counts.scatter_add_(0, e, torch.ones_like(e))
+        counts = counts[:nbins]
+        self._hist[role] = counts if role not in self._hist else self._hist[role].to(counts.device) + counts
+        zeros = (finite & ~nonzero).sum()
+        self._hist_zeros[role] = zeros if role not in self._hist_zeros else self._hist_zeros[role] + zeros
         self.hist_format[role] = fmt_name
 
-    def record_lost_updates(self, step: int, layer: str, changed_intended: int, changed_stored: int) -> None:
-        self.rows.append({"step": step, "layer": layer, "role": "update",
-                          "lost": 1.0 - changed_stored / changed_intended if changed_intended else 0.0,
-                          "intended": changed_intended})
+    def record_lost_updates(self, step: int, layer: str, changed_intended, changed_stored) -> None:
+        """Of `changed_intended` elements the optimizer changed, `changed_stored` changed in
+        storage (ints, or 0-d tensors: read later, without waiting for the device now)."""
+        row = {"step": step, "layer": layer, "role": "update"}
+        self._rows.append(row)
+        if isinstance(changed_intended, torch.Tensor) or isinstance(changed_stored, torch.Tensor):
+            dev = changed_intended.device if isinstance(changed_intended, torch.Tensor) else changed_stored.device
+            fig = torch.stack([torch.as_tensor(changed_intended, device=dev).double(),
+                               torch.as_tensor(changed_stored, device=dev).double()])
+            self._pending.append((row, _padded(fig), "update"))
+        else:
+            _fill(row, "update", [changed_intended, changed_stored])
 
     # -----------------------------------------------------------------------------------------
     def fraction(self, role: str, key: str) -> float:
@@ -198,6 +251,35 @@ class Telemetry:
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = list(state["rows"])
-        self.hist = dict(state["hist"])
-        self.hist_zeros = dict(state["hist_zeros"])
+        self._hist = dict(state["hist"])
+        self._hist_zeros = dict(state["hist_zeros"])
         self.hist_format = dict(state["hist_format"])
+
+
+_FIGURES = 6  # the longest figure vector (a cast with sqnr); shorter ones are padded to stack
+
+
+def _padded(fig: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(fig, (0, _FIGURES - fig.numel()))
+
+
+def _fill(row: dict, kind: str, v: list) -> None:
+    """Complete a row from its fetched figures (see Telemetry.record_cast / record_lost_updates)."""
+    if kind == "update":
+        intended, stored = int(v[0]), int(v[1])
+        row["lost"] = 1.0 - stored / intended if intended else 0.0
+        row["intended"] = intended
+        return
+    n_nonzero, flushed, sat, amax = int(v[0]), int(v[1]), int(v[2]), float(v[3])
+    row["amax"] = amax
+    row["underflow"] = flushed / n_nonzero if n_nonzero else 0.0
+    row["saturated"] = sat / n_nonzero if n_nonzero else 0.0
+    row["nonzero"] = n_nonzero
+    if kind == "cast_sqnr":
+        noise, signal = v[4], v[5]
+        if noise == 0:
+            row["sqnr_db"] = math.inf
+        elif not math.isfinite(noise) or signal == 0:
+            row["sqnr_db"] = -math.inf
+        else:
+            row["sqnr_db"] = 10 * math.log10(signal / noise)
