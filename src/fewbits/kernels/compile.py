@@ -35,6 +35,12 @@ def use_backend(name: str):
         _state.backend = old
 
 
+def default_backend() -> bool:
+    """Whether the kernels run under the default backend ("auto": no use_backend() block, no
+    FEWBITS_COMPILE setting), where fewbits picks the fastest path itself."""
+    return _setting() == "auto"
+
+
 def want_compiled(numel: int) -> bool:
     setting = _setting()
     if _failed or setting in ("0", "off", "false", "no", "eager"):

@@ -19,7 +19,7 @@ import torch
 from ..formats import MODES, LookupFormat
 from . import floatround as fr
 from . import native
-from .compile import _setting
+from .compile import default_backend
 from .lookupround import f32_thresholds
 
 # the parameter layout of round32.c (its P_* enum)
@@ -61,7 +61,7 @@ def _library():
 def _eligible(t: torch.Tensor, out) -> bool:
     return (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
             and (out is None or (out.is_contiguous() and out.dtype == torch.float32))
-            and _setting() == "auto")
+            and default_backend())
 
 
 def try_round(t: torch.Tensor, fmt, mode: str, overflow: str, seed, out=None) -> torch.Tensor | None:

@@ -25,6 +25,11 @@ dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the co
                rows decoded by C, then multiplied.
 =============  ==================================================================================
 
+On CUDA (the module moved with .to("cuda"), or built from a weight there) the kernels are
+w8a8_int_mm (cuBLASLt's int8 GEMM; fewer than 17 rows are padded), bf16 (cuBLAS) and dequant;
+`available_kernels(scheme, shape, device)` lists them, and moving the module back to the CPU
+picks the CPU's kernel again.
+
 Every kernel is checked in tests against the slow reference `reference_forward(x)` =
 `F.linear(x, qweight.dequantize(x.dtype), bias)` (for w8a8, with the activations quantized and
 dequantized by fewbits.quant.quantize). Where a kernel keeps the codes in its own layout
