@@ -1,6 +1,6 @@
-/* Rounding of float32 values in the cases where torch.compile's code runs well below memory
- * speed on a CPU: stochastic rounding to a float format of the "scaled" kind (fp8, fp6, fp4,
- * fp16, ints ...), and rounding to a codebook of at most 16 values (NF4 ...), by thresholds
+/* Rounding of float32 values on a CPU, for fewbits.kernels.native_round: float formats of
+ * floatround's scaled kind (fp8, fp6, fp4, fp16, ints ...), fixed kind (bf16, tf32) and pow2
+ * kind (E8M0) in every mode, and codebooks of at most 16 values (NF4 ...) by thresholds
  * (nearest, up, down, toward zero) and stochastically. Each function is a C twin of
  * fewbits.kernels.floatround / lookupround (the Python there is the definition; the tests
  * compare these bit for bit): the same integer steps and the same float32 / float64 operations,
@@ -10,8 +10,7 @@
  * the CPU has them: table lookups are one permute, vpermps); the last partial block runs through
  * the same code on a padded copy. Element i of the input draws the 32-bit random word
  * hash(seed, i) of fewbits.kernels.random, whatever the threading. OpenMP shares the blocks over
- * torch's threads when built with it.
- */
+ * torch's threads when built with it. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)
@@ -20,8 +19,6 @@
 
 #include "vec16.h"
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
-typedef double vd __attribute__((vector_size(8 * L)));
-typedef int64_t vl __attribute__((vector_size(8 * L)));
 
 static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -266,8 +263,8 @@ static inline vi count_below(vf xv, const search_tables *st) {
 #endif
 }
 
-/* lookupround._round_f32 on 16 values: value[#{j: x > th[j]}], NaN for NaN (t: 15 thresholds,
- * unused ones +inf; table: the values, padded) */
+/* lookupround._round_f32 on 16 values: value[#{j: x > th[j]}], NaN for NaN (t: the search
+ * tables of the thresholds; table: the values, padded) */
 static inline vf lut_block(vf xv, const search_tables *t, vf table) {
     const vi c = count_below(xv, t);
     const vi v = (vi)lookup(table, c);
