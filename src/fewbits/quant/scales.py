@@ -59,7 +59,7 @@ def divide(a: torch.Tensor, b: float) -> torch.Tensor:
     the device gets CUDA's true division, so the scales come out bit-identical to the CPU's."""
     if a.device.type == "cpu":
         return a / b
-    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+    return a / a.new_full((), b)  # a fill on the device: no host-to-device copy per call
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
