@@ -14,8 +14,13 @@ _ALIASES: dict[str, str] = {}  # normalized alias -> canonical name
 _DESCRIPTIONS: dict[str, str] = {}
 
 
-def _norm(name: str) -> str:
+def normalize_name(name: str) -> str:
+    """The key a name is looked up by: lower case, without spaces, '_', '-' or '.'. Formats use
+    it, and so do quantization schemes (fewbits.quant.get_scheme): one spelling rule."""
     return re.sub(r"[\s_\-.]", "", name.lower())
+
+
+_norm = normalize_name
 
 
 def register(fmt: Format, aliases=(), description: str = "") -> Format:

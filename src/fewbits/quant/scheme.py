@@ -21,7 +21,8 @@ import difflib
 import math
 from dataclasses import dataclass
 
-from ..formats import FloatFormat, Format, IntFormat, LookupFormat, MODES, get_format
+from ..formats import MODE_PRESETS, FloatFormat, Format, IntFormat, LookupFormat, MODES, check_mode, get_format
+from ..formats.registry import normalize_name
 
 GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
 SCALE_FORMATS = ("fp32", "fp16", "bf16", "e8m0", "e4m3", "none")
@@ -58,7 +59,9 @@ class QuantScheme:
     scale_method: absmax | percentile (clip at that percentile of |x| per group) | mse (search
         the clipping ratio that minimizes the squared error per group).
     mx_scale_mode: floor | ceil | even | rceil, as in torchao's MX casts (E8M0 scales only).
-    mode: element rounding mode; stochastic rounding draws from `seed`.
+    mode: element rounding mode; stochastic rounding draws from `seed`. "bitsandbytes" (codebooks
+        only; the nf4 presets use it) is bitsandbytes' NF4 rounding: float32 bucket bounds, ties
+        to the lower code (fewbits.LookupFormat.bitsandbytes_bounds).
     double_quant: QLoRA double quantization: the group scales minus their mean are quantized to
         int8 in blocks of 256, each block with a float32 scale.
     activations: for w8a8-style schemes, the dynamic per-token scheme of the activations.
@@ -124,8 +127,9 @@ class QuantScheme:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if self.mx_scale_mode not in MX_SCALE_MODES:
             raise ValueError(f"mx_scale_mode must be one of {', '.join(MX_SCALE_MODES)}, got {self.mx_scale_mode!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in MODES + MODE_PRESETS:
+            raise ValueError(f"mode must be one of {', '.join(MODES + MODE_PRESETS)}, got {self.mode!r}")
+        check_mode(self.mode, fmt)  # a preset (bitsandbytes: codebooks only) the format cannot take
         if not self.symmetric:
             if not isinstance(fmt, IntFormat):
                 raise ValueError(f"asymmetric quantization (a zero point) needs an integer format, got {fmt.name}")
@@ -345,8 +349,9 @@ def _presets() -> dict[str, QuantScheme]:
         S("int4", "channel", name="int4_channel"),
         S("int3", "group", group_size=64, name="int3"),
         S("int2", "group", group_size=64, name="int2"),
-        S("nf4", "group", group_size=64, name="nf4"),
-        S("nf4", "group", group_size=64, double_quant=True, name="nf4_dq"),
+        # bitsandbytes' NF4 (quantize_4bit, blocks of 64): its rounding too, bit for bit
+        S("nf4", "group", group_size=64, mode="bitsandbytes", name="nf4"),
+        S("nf4", "group", group_size=64, double_quant=True, mode="bitsandbytes", name="nf4_dq"),
         S("fp8_e4m3", "tensor", name="fp8"),
         S("fp8_e4m3", "channel", name="fp8_channel"),
         S("fp8_e5m2", "tensor", name="fp8_e5m2"),
@@ -370,21 +375,58 @@ _PRESET_ALIASES = {"fp8_tensor": "fp8", "fp8_e4m3": "fp8", "int4_sym": "int4", "
                    "bfloat16": "bf16", "float16": "fp16"}
 
 
+def _preset_keys() -> tuple[dict[str, str], dict]:
+    """Lookup tables of get_scheme(): {normalized preset name or alias: preset} and {format: the
+    preset named after it} (int8, nf4, fp8 -> fp8_e4m3, fp4 -> fp4_e2m1, bf16, ...), so that a
+    scheme named by any spelling of its format ("e4m3", "float8_e4m3fn") is that preset."""
+    keys = {normalize_name(n): n for n in _PRESETS}
+    keys.update((normalize_name(a), n) for a, n in _PRESET_ALIASES.items())
+    by_format = {}
+    for name in _PRESETS:
+        try:
+            fmt = get_format(name)
+        except ValueError:  # mxfp4, int4_g32, ...: not a format's name
+            continue
+        by_format.setdefault(fmt, name)
+    return keys, by_format
+
+
+_PRESET_KEYS, _FORMAT_PRESETS = _preset_keys()
+
+
 def list_schemes() -> list[str]:
     """Names of the preset schemes."""
     return list(_PRESETS)
 
 
 def get_scheme(spec) -> QuantScheme:
-    """A preset by name (case/separator-insensitive), or a QuantScheme passed through."""
+    """A preset by name, or a QuantScheme passed through.
+
+    Names follow the format names' spelling rule (fewbits.formats.registry.normalize_name: case,
+    spaces, '_', '-' and '.' do not matter), and a format's name or alias names the preset called
+    after that format: "e4m3", "FP8 E4M3" and "float8_e4m3fn" are the preset fp8, "e2m1" is fp4.
+    A format without a preset of its own (e3m2, fp32) is an error naming the presets that use it.
+    """
     if isinstance(spec, QuantScheme):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a scheme is a QuantScheme or a preset name, got {type(spec).__name__}")
-    key = spec.strip().lower().replace("-", "_").replace(" ", "_")
-    key = _PRESET_ALIASES.get(key, key)
-    if key in _PRESETS:
-        return _PRESETS[key]
-    close = difflib.get_close_matches(key, list(_PRESETS) + list(_PRESET_ALIASES), n=4, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    key = normalize_name(spec)
+    if key in _PRESET_KEYS:
+        return _PRESETS[_PRESET_KEYS[key]]
+    try:
+        fmt = get_format(spec)
+    except ValueError:
+        fmt = None
+    if fmt is not None and fmt in _FORMAT_PRESETS:
+        return _PRESETS[_FORMAT_PRESETS[fmt]]
+    if fmt is not None:
+        users = [n for n, s in _PRESETS.items() if s.format == fmt]
+        hint = (f" Presets with {fmt.name} elements: {', '.join(users)}." if users else
+                f" Give a QuantScheme({fmt.name!r}, ...) to quantize to it.")
+        raise ValueError(f"unknown quantization scheme {spec!r}: it names the format {fmt.name}, which has no "
+                         f"preset of its own.{hint}")
+    close = difflib.get_close_matches(key, list(_PRESET_KEYS), n=8, cutoff=0.5)
+    names = list(dict.fromkeys(_PRESET_KEYS[c] for c in close))[:4]
+    hint = f" Did you mean: {', '.join(names)}?" if names else ""
     raise ValueError(f"unknown quantization scheme {spec!r}.{hint} Presets: {', '.join(_PRESETS)}")
