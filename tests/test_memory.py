@@ -42,8 +42,8 @@ def test_parameter_count_type_errors():
 
 
 @pytest.mark.parametrize("scheme, gigabytes", [
-    ("fp32", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("int8", 1.0), ("fp8_e4m3", 1.0), ("int4", 0.5),
-    ("fp4_e2m1", 0.5), ("mxfp4", 4.25 / 8), ("nvfp4", 4.5 / 8), ("mxfp8", 8.25 / 8),
+    ("fp32", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("int8", 1.0), ("fp8_e4m3", 1.0), ("int4", 4.25 / 8),
+    ("nf4", 4.5 / 8), ("fp4_e2m1", 5 / 8), ("mxfp4", 4.25 / 8), ("nvfp4", 4.5 / 8), ("mxfp8", 8.25 / 8),
 ])
 def test_per_billion_table(scheme, gigabytes):
     est = fb.estimate_memory("1B", scheme=scheme)
@@ -60,11 +60,38 @@ def test_nf4_double_quant_overhead():
     assert fb.estimate_memory("1B", scheme="nf4_dq").weight_bits == pytest.approx(bits)
 
 
-def test_format_name_wins_over_preset():
-    """int4 is both a format (plain 4 bits) and a preset (group 128 with scales): the format wins,
-    the preset with its scales is int4_g32 / nf4_dq etc."""
-    assert fb.estimate_memory("1B", scheme="int4").weight_bits == 4
-    assert fb.estimate_memory("1B", scheme="int4_g32").weight_bits == pytest.approx(4 + 32 / 32)
+@pytest.mark.parametrize("name", ["int8", "int4", "nf4", "nf4_dq", "int4_g32", "mxfp4", "nvfp4", "e4m3", "e2m1",
+                                  "INT-4", "NF4"])
+def test_a_scheme_means_what_quantize_stores(name):
+    """One vocabulary (issue 12): int4 and nf4 are the presets with their scales (4.25 and 4.5 bits),
+    as `fewbits quantize` reports them, not plain 4-bit formats; any spelling of a format names its
+    preset. (This replaces a test that asserted the old meaning: int4 = 4.000 bits without scales.)"""
+    from fewbits.quant import get_scheme
+
+    assert fb.estimate_memory("1B", scheme=name).weight_bits == pytest.approx(get_scheme(name).bits_per_value())
+    assert fb.estimate_memory("1B", scheme="int4").weight_bits == pytest.approx(4.25)
+    assert fb.estimate_memory("1B", scheme="nf4").weight_bits == pytest.approx(4.5)
+
+
+def test_a_scheme_on_a_module_counts_what_quantize_stores():
+    from fewbits.quant import get_scheme, quantize
+
+    net = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 128, bias=False))
+    est = estimate_memory(net, scheme="int4")
+    assert est.weights == sum(quantize(m.weight.detach(), get_scheme("int4")).nbytes for m in (net[0], net[2]))
+    assert est.weights == get_scheme("int4").nbytes((512, 256)) + get_scheme("int4").nbytes((128, 512))
+
+
+@pytest.mark.parametrize("name, message", [("int5", "stored with scales"), ("uint4", "int4_asym")])
+def test_an_integer_format_without_a_preset_is_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_memory("1B", scheme=name)
+
+
+def test_plain_float_storage_without_a_preset():
+    assert estimate_memory("1B", scheme="fp32").weight_bits == 32
+    assert estimate_memory("1B", scheme="tf32").weights == 4 * GB
+    assert estimate_memory("1B", scheme="e3m2").weight_bits == 6  # a float format without a preset: a cast
 
 
 @pytest.mark.parametrize("policy, per_param", [
@@ -356,7 +383,7 @@ def test_cli_tables(capsys):
     assert code == 0
     for name in ("fp32", "int4", "nf4_dq", "mxfp4", "nvfp4"):
         assert name in out
-    assert "4.00 GB" in out and "500 MB" in out
+    assert "4.00 GB" in out and "531 MB" in out  # int4: 4.25 bits per parameter, its scales included
     code, out, _ = run(capsys, "memory", "1B", "--mode", "training", "--json")
     assert code == 0 and [d["precision"] for d in json.loads(out)][:3] == ["fp32", "bf16-mixed", "bf16-pure"]
 

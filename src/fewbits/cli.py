@@ -609,8 +609,9 @@ def _add_memory_and_bench(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="parameter count (7B, 1.5B, 135M, 7000000000) or a config.json "
                                                   "(or its directory) of a llama-like or bert-like model")
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
-    p.add_argument("--scheme", metavar="NAME", help="weight storage: a format (fp32, bf16, int8, int4: plain bits, "
-                   "no scales) or a quantization preset (nf4_dq, mxfp4, nvfp4, int4_g32, ...)")
+    p.add_argument("--scheme", metavar="NAME", help="weight storage: a quantization preset as `fewbits quantize` "
+                   "stores it, scales included (int8, int4, nf4, nf4_dq, mxfp4, nvfp4, int4_g32, ...; see "
+                   "`fewbits quantize --list`), or a float format held plainly (fp32, bf16, fp16, tf32)")
     p.add_argument("--policy", metavar="NAME", help="a training policy preset (fp32, bf16-mixed, bf16-pure, "
                    "fp8-hybrid, ...)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, adamw8bit, lion, sgd, "

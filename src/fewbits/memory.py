@@ -521,12 +521,32 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 def _scheme_precision(scheme, mode: str, rest_format: str, name: str | None = None) -> Precision:
-    fmt = None
-    if isinstance(scheme, str):
-        try:  # a format name is plain storage (int4: 4 bits, no scale), taking precedence over presets
-            fmt = get_format(scheme)
-        except (ValueError, KeyError):
+    """Storage for a scheme, in fewbits.quant's vocabulary: a quantization preset (or any spelling
+    of the format a preset is named after, or a QuantScheme) means what `quantize` stores, scales
+    included: int4 is 4.25 bits (groups of 128, fp32 scales), nf4 4.5. A preset that is a plain
+    cast (bf16, fp16) and a float format without a preset (fp32, tf32, fp64, e3m2) are plain
+    storage of every parameter. Integer and codebook formats always come with scales."""
+    from .formats import FloatFormat
+
+    try:
+        from .quant import get_scheme
+    except ImportError as exc:
+        raise ValueError(f"{scheme!r}: quantization schemes need fewbits.quant ({exc})") from None
+    fmt = qs = None
+    try:
+        qs = get_scheme(scheme)
+    except ValueError as exc:
+        try:
+            fmt = get_format(scheme) if isinstance(scheme, str) else None
+        except ValueError:
             fmt = None
+        if fmt is None:
+            raise ValueError(f"{scheme!r} is neither a format nor a quantization preset: {exc}") from None
+        if not isinstance(fmt, FloatFormat):
+            raise ValueError(f"{scheme!r}: {exc} (integer and codebook formats are stored with scales: "
+                             "a preset says how)") from None
+    if qs is not None and qs.scale_format == "none":  # bf16, fp16: a plain cast of every parameter
+        fmt, name = qs.format, name or qs.name
     if fmt is not None:
         act = _compute_bytes(fmt.name)
         if mode == "training":
@@ -537,14 +557,6 @@ def _scheme_precision(scheme, mode: str, rest_format: str, name: str | None = No
             return Precision(name or fmt.name, "format", weight_format=store, activation_bytes=act,
                              grad_bytes=_format_bytes(store), state_format=store)
         return Precision(name or fmt.name, "format", weight_format=fmt.name, activation_bytes=act)
-    try:
-        from .quant import get_scheme
-    except ImportError as exc:
-        raise ValueError(f"unknown format {scheme!r}, and quantization presets need fewbits.quant ({exc})") from None
-    try:
-        qs = get_scheme(scheme)
-    except ValueError as exc:
-        raise ValueError(f"{scheme!r} is neither a format nor a quantization preset: {exc}") from None
     if mode == "training":
         raise ValueError(f"training a model quantized with {qs.name or scheme!r} (QLoRA-style adapters) is not "
                          "estimated: choose a --policy such as bf16-mixed or bf16-pure")
@@ -649,9 +661,10 @@ def estimate_memory(model, mode: str = "inference", *, scheme=None, policy=None,
 
     mode: "inference" (a forward pass under no_grad over batch x seq_len tokens, with the KV cache
     of a causal LM) or "training" (one steady-state step: forward, loss, backward, optimizer step).
-    scheme: a format name (fp32, bf16, int8, int4: plain storage of every parameter, no scales) or a
-    quantization preset (nf4_dq, mxfp4, nvfp4, int4_g32, ...: the linear layers quantized with their
-    scale overhead, the other parameters in `rest_format`). policy: a fewbits.train Policy or its
+    scheme: a quantization preset, as fewbits.quant.get_scheme names them (int8, int4, nf4, nf4_dq,
+    mxfp4, nvfp4, int4_g32, ...: the linear layers quantized with their scale overhead, exactly as
+    `quantize` stores them, the other parameters in `rest_format`), or a float format held plainly
+    (fp32, bf16, fp16, tf32: every parameter in it, no scales). policy: a fewbits.train Policy or its
     preset name (fp32, bf16-mixed, bf16-pure, ...). optimizer: adamw | adam | adamw8bit | lion | sgd |
     sgd_momentum | adafactor. runtime: "torch" or "fewbits" (see the module docstring). device:
     "cpu" or "cuda" (attention kernels and optimizer implementation differ). kv_cache: keep a KV
