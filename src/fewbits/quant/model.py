@@ -5,6 +5,13 @@ nn.Embedding), or from rules {pattern: scheme}: fnmatch patterns on the module's
 name, the first matching rule wins, and a rule whose scheme is None keeps that layer in float.
 `skip` patterns always keep layers in float.
 
+Tied weights: a layer whose weight is shared with another module (a language model's lm_head
+tied to its token embedding) is kept in float by default (tied="keep"), because quantizing it
+would untie the pair: the model would hold the matrix twice, once quantized and once in float,
+and grow (SmolLM2: 134.5 M -> 162.8 M parameters). A rule that names such a layer explicitly is
+an error under "keep"; tied="untie" quantizes it anyway. This default lives here, in
+resolve_plan(), so quantize_model, sensitivity, QAT and the command line all share it.
+
 Quantized modules expose `.qweight` (a QuantizedTensor) and `.bias`; quantized_module() builds
 the fastest one for a scheme (see fewbits.quant.modules).
 """
@@ -20,6 +27,7 @@ from .scheme import QuantScheme, get_scheme
 from .tensor import QuantizedTensor, quantize
 
 METHODS = ("rtn", "gptq")
+TIED = ("keep", "untie")  # what resolve_plan does with a layer whose weight another module shares
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -40,20 +48,49 @@ def _patterns(p) -> tuple[str, ...]:
     return tuple(p)
 
 
-def resolve_plan(model: nn.Module, scheme_or_rules, skip=(), embeddings: bool = False) -> dict[str, QuantScheme]:
-    """{module name: scheme} for the layers to quantize (see the module docstring)."""
+def tied_weights(model: nn.Module, embeddings: bool = False) -> dict[str, list[str]]:
+    """{name of a quantizable module: the other places its weight is held} for every nn.Linear
+    (and nn.Embedding if asked) whose weight Parameter is shared, e.g. {'lm_head':
+    ['model.embed_tokens.weight']} for a language model with tied embeddings."""
+    holders: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(name)
+    tied = {}
+    for name, m in quantizable_modules(model, embeddings):
+        own = f"{name}.weight" if name else "weight"
+        others = [n for n in holders.get(id(getattr(m, "weight", None)), []) if n != own]
+        if others:
+            tied[name] = others
+    return tied
+
+
+def resolve_plan(model: nn.Module, scheme_or_rules, skip=(), embeddings: bool = False,
+                 tied: str = "keep") -> dict[str, QuantScheme]:
+    """{module name: scheme} for the layers to quantize (see the module docstring).
+
+    tied: "keep" (default) leaves layers whose weight another module shares in float, and raises
+    if a rule other than "*" names one; "untie" quantizes them, giving them a weight of their own."""
+    if tied not in TIED:
+        raise ValueError(f"tied must be one of {', '.join(TIED)}, got {tied!r}")
     skip = _patterns(skip)
     if isinstance(scheme_or_rules, Mapping):
         rules = [(str(k), None if v is None else get_scheme(v)) for k, v in scheme_or_rules.items()]
     else:
         rules = [("*", get_scheme(scheme_or_rules))]
+    shared = tied_weights(model, embeddings) if tied == "keep" else {}
     plan = {}
     for name, _ in quantizable_modules(model, embeddings):
         if any(fnmatch.fnmatchcase(name, p) for p in skip):
             continue
         for pattern, scheme in rules:
             if fnmatch.fnmatchcase(name, pattern):
-                if scheme is not None:
+                if scheme is not None and name in shared:
+                    if pattern != "*":
+                        raise ValueError(
+                            f"rule {pattern!r} quantizes {name!r}, whose weight is tied to "
+                            f"{', '.join(shared[name])}: quantizing it would untie them and store the matrix "
+                            "twice. Pass tied='untie' to do that, or leave the layer out of the rules")
+                elif scheme is not None:
                     plan[name] = scheme
                 break
     return plan
@@ -77,7 +114,7 @@ def quantized_module(module: nn.Module, qweight: QuantizedTensor) -> nn.Module:
 
 def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rtn",
                    calibration: Iterable | None = None, embeddings: bool = False,
-                   progress: bool | Callable | None = None, **gptq_options) -> nn.Module:
+                   progress: bool | Callable | None = None, tied: str = "keep", **gptq_options) -> nn.Module:
     """Replace the model's nn.Linear (and nn.Embedding if asked) layers by quantized ones, in place.
 
     scheme_or_rules: a QuantScheme or preset name for every layer, or {pattern: scheme or None}.
@@ -85,18 +122,22 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
     method: "rtn" (round to nearest, or the scheme's mode) or "gptq" (needs `calibration`: an
         iterable of model inputs — tensors, tuples of positional args or dicts of keyword args).
     progress: True for a progress bar on stderr, or a callable(done, total, name).
+    tied: "keep" (default): a layer whose weight another module shares (a tied lm_head) stays in
+        float, so the tie and the parameter count survive; "untie": quantize it anyway.
     Returns the model.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model() takes an nn.Module, got {type(model).__name__}")
-    plan = resolve_plan(model, scheme_or_rules, skip, embeddings)
+    plan = resolve_plan(model, scheme_or_rules, skip, embeddings, tied=tied)
     if "" in plan:
         raise ValueError(f"the model itself is an {type(model).__name__}: it cannot be replaced in place; "
                          "use QuantLinear.from_linear(layer, scheme), or wrap it in an nn.Sequential")
     if not plan:
-        raise ValueError("no layer matched: nothing to quantize (check the rules and skip patterns)")
+        kept = sorted(tied_weights(model, embeddings)) if tied == "keep" else []
+        why = f"; kept in float because their weights are tied: {', '.join(kept)}" if kept else ""
+        raise ValueError(f"no layer matched: nothing to quantize (check the rules and skip patterns){why}")
     if method == "gptq":
         if calibration is None:
             raise ValueError("method='gptq' needs calibration data (an iterable of model inputs)")

@@ -87,7 +87,9 @@ def minilm_subject(n_eval: int = 256, n_calib: int = 64) -> Subject:
 
 
 def _lm_subject(name, model, tokenizer, eval_tokens: int, calib_batches: int, seq_len: int, note=None,
-                skip=("lm_head",)) -> Subject:
+                skip=()) -> Subject:
+    # no skip list of its own: a tied lm_head stays in float by fewbits.quant's default (resolve_plan),
+    # the same for the command line as for fb.quantize_model
     from ..models.smollm2 import perplexity
     from ..models.text import pydoc_split
 
@@ -137,12 +139,29 @@ def path_subject(path: str | Path, eval_tokens: int = 4096) -> Subject:
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise ImportError("loading a Hugging Face model needs transformers: pip install transformers") from None
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
     if "CausalLM" in arch:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+        model = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, local_files_only=True)).eval()
         return _lm_subject(path.name, model, tokenizer, eval_tokens, 8, 256)
-    model = AutoModel.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    model = _load_part(path, "model", lambda: AutoModel.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True)).eval()
     return _embedding_subject(path.name, model, tokenizer, 256, 64)
+
+
+def _load_part(path: Path, what: str, load: Callable):
+    """load() of a user's model directory; a broken file there becomes one ValueError naming the
+    directory and the part. transformers and tokenizers raise anything for a broken file (a
+    JSONDecodeError, a KeyError, tokenizers' plain Exception, an OSError); a missing package stays
+    an ImportError (it carries the pip hint)."""
+    try:
+        return load()
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        text = " ".join(str(exc).split()) or "no message"
+        text = text if len(text) <= 300 else text[:300] + " ..."
+        raise ValueError(f"{path}: the {what} could not be loaded ({type(exc).__name__}: {text})") from None
 
 
 def get_subject(spec: str, quick: bool = False) -> Subject:
