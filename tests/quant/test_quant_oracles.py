@@ -7,6 +7,7 @@ axis per row, so the two agree whenever the last dimension is a multiple of the 
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -43,6 +44,56 @@ def test_nf4_equals_bitsandbytes(bnbf, shape):
     theirs_low = fb.pack(fb.unpack(packed.reshape(-1), 4, x.numel(), order="high_first"), 4, order="low_first")
     assert torch.equal(q.codes, theirs_low)                      # fewbits' (torch/ONNX) order
     assert torch.equal(q.dequantize(), bnbf.dequantize_4bit(packed, state))
+
+
+def _bound_hitting_blocks(seed: int, n_absmax: int = 48) -> torch.Tensor:
+    """Blocks of 64 whose scaled values land on bitsandbytes' NF4 bounds: per block an absmax a
+    (log-uniform over 2^-30 .. 2^30, plus 1, 0.02 and powers of two; as element 0, either
+    sign), then x = float32(y / r) and its float32 neighbours (2 each side) for every bound y,
+    both signs, where r = float32(1 / a): so float32(x * r), the value bitsandbytes buckets,
+    is y or next to it. [rows, 64] float32."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.exp2(torch.rand(n_absmax, generator=g, dtype=torch.float64) * 60 - 30).float()
+    amax = torch.cat([amax, torch.tensor([1.0, 0.02, 2.0 ** -7, 2.0 ** 5])])
+    bounds = torch.tensor(fb.get_format("nf4").bitsandbytes_bounds())
+    y = torch.cat([bounds, -bounds])
+    rows = []
+    for i, a in enumerate(amax):
+        x = (y / (1.0 / a)).float()
+        up, down = [x], [x]
+        for _ in range(2):
+            up.append(torch.nextafter(up[-1], torch.full_like(x, math.inf)))
+            down.append(torch.nextafter(down[-1], torch.full_like(x, -math.inf)))
+        xs = torch.cat(up + down[1:])
+        body = torch.zeros(-(-xs.numel() // 63) * 63)
+        body[:xs.numel()] = xs
+        body = body.reshape(-1, 63)
+        first = torch.full((body.shape[0], 1), float(a) * (-1 if i % 2 else 1))
+        rows.append(torch.cat([first, body], dim=1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("preset", ["nf4", "nf4_dq"])
+def test_nf4_equals_bitsandbytes_on_the_bounds_with_absmax_scaling(bnbf, preset):
+    """The scaled case at the bucket bounds (the issue: 10 of NF4's 15 bounds gave another code):
+    bitsandbytes scales each block of 64 by x * (1 / absmax) in float32 and buckets the result on
+    float32 midpoints with ties to the lower code; the nf4 presets (mode "bitsandbytes") agree
+    bit for bit, codes and absmax; exact rounding does not."""
+    x = _bound_hitting_blocks(3)
+    q = quantize(x, preset)
+    packed, state = bnbf.quantize_4bit(x.reshape(-1), blocksize=64, quant_type="nf4",
+                                       compress_statistics=preset == "nf4_dq")
+    theirs = fb.unpack(packed.reshape(-1), 4, x.numel(), order="high_first").to(torch.int64)
+    assert torch.equal(q.element_codes().reshape(-1), theirs)
+    if preset == "nf4":
+        assert torch.equal(q.scales.reshape(-1), state.absmax)
+        assert torch.equal(q.dequantize().reshape(-1), bnbf.dequantize_4bit(packed, state).reshape(-1))
+    # the data does sit on the bounds: many scaled values equal one, and exact rounding differs
+    scaled = x * (1.0 / x.abs().amax(dim=1, keepdim=True))
+    on_bound = torch.isin(scaled, torch.tensor(fb.get_format("nf4").bitsandbytes_bounds()))
+    assert int(on_bound.sum()) > 500
+    exact = quantize(x, get_scheme(preset).with_(mode="nearest_even")).element_codes().reshape(-1)
+    assert int((exact != theirs).sum()) > 300
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from fractions import Fraction
 
 from .base import Format
@@ -14,6 +15,15 @@ NF4_VALUES = (
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
+
+
+def float32(x: float) -> float:
+    """x rounded to float32 (nearest, ties to even; beyond float32's range: +-inf, as torch's
+    .float() casts), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 class LookupFormat(Format):
@@ -93,6 +103,29 @@ class LookupFormat(Format):
     @property
     def layout(self) -> str:
         return f"{self.bits}-bit index into {len(self._values)} values"
+
+    def bitsandbytes_bounds(self) -> tuple[float, ...]:
+        """The bucket bounds of bitsandbytes' codebook rounding (mode="bitsandbytes").
+
+        bitsandbytes (quantize_4bit, 0.45 to 0.50 at least: its default/CPU kernel) computes the
+        bounds in float32, b[i] = (v[i] + v[i+1]) / 2 on a float32 table, and takes
+        code = torch.bucketize(float32(x), b) = #{i: float32(x) > b[i]}. This differs from exact
+        rounding (mode="nearest_even") in three ways: a bound is the float32 nearest the
+        midpoint, not the midpoint itself; a value equal to a bound goes to the lower code, not
+        to the even one; and the input is cast to float32 first (float64 too). For float32
+        inputs the two rules differ only on the bounds themselves: for NF4, on 10 of its 15
+        (the 5 others are exact midpoints where the even code is the lower one, or float32
+        roundings below the midpoint).
+
+        Raises ValueError for a codebook whose values float32 cannot hold (bitsandbytes' tables
+        are float32)."""
+        v = self._values
+        if any(float32(t) != t for t in v):
+            raise ValueError(f"mode 'bitsandbytes' takes codebooks of float32 values; {self.name} has values "
+                             "float32 cannot hold")
+        # a + b is exact in float64 (the constructor checked the midpoints), so each step below
+        # is one float32 rounding, as bitsandbytes' float32 add and divide
+        return tuple(float32(float32(a + b) / 2) for a, b in zip(v, v[1:]))
 
     def decode_code(self, code: int) -> float:
         if not 0 <= code < len(self._values):

@@ -16,6 +16,9 @@ Semantics (every format):
 - Formats without zero (E8M0): results below the smallest value become the smallest value
   (with the input's sign, in a signed format).
 - Ties: 'nearest_even' picks the neighbour whose code is even; 'nearest_away' the larger magnitude.
+- 'bitsandbytes' (a mode preset, codebooks only) reproduces bitsandbytes' NF4 bucketing bit for
+  bit: float32 bounds, ties to the lower code, the input cast to float32 first (see
+  LookupFormat.bitsandbytes_bounds).
 - 'stochastic' takes a 32-bit random word r per value: with frac the position of |x| between its
   two neighbours (0 <= frac < 1), it rounds away from zero iff r < floor(frac * 2**32). So the
   probability is exact to 2**-32 and the rounding is unbiased to within 2**-32 of a step.
@@ -29,14 +32,25 @@ from fractions import Fraction
 from .base import Format
 from .floats import FloatFormat, _floor_log2
 from .integers import IntFormat
-from .lookup import LookupFormat
+from .lookup import LookupFormat, float32
 
 MODES = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic")
+# a library's own rounding rule, accepted wherever a mode is (as OVERFLOW_PRESETS are for
+# overflow): "bitsandbytes" is its codebook rule, see LookupFormat.bitsandbytes_bounds
+MODE_PRESETS = ("bitsandbytes",)
 
 
-def check_mode(mode: str) -> str:
+def check_mode(mode: str, fmt: Format | None = None) -> str:
+    """Validate a rounding mode or mode preset (for fmt, where given: a preset it can take)."""
+    if mode in MODE_PRESETS:
+        if fmt is not None:
+            if not isinstance(fmt, LookupFormat):
+                raise ValueError(f"mode {mode!r} is bitsandbytes' rule for codebooks (nf4); {fmt.name} is not a "
+                                 f"codebook: use one of {', '.join(MODES)}")
+            fmt.bitsandbytes_bounds()  # raises for a codebook bitsandbytes could not hold
+        return mode
     if mode not in MODES:
-        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(MODES + MODE_PRESETS)}")
     return mode
 
 
@@ -91,7 +105,7 @@ def _float_neighbours(fmt: FloatFormat, mag: Fraction) -> tuple[Fraction, Fracti
 def round_value(x: float, fmt: Format, mode: str = "nearest_even", overflow: str | None = None,
                 rand32: int | None = None) -> float:
     """x rounded to the nearest value of fmt under `mode` and `overflow` (see module docstring)."""
-    check_mode(mode)
+    check_mode(mode, fmt)
     overflow = fmt.check_overflow(overflow)
     x = float(x)
     if math.isnan(x):
@@ -151,6 +165,9 @@ def _finish(fmt: Format, mag, negative: bool, overflow: str) -> float:
 
 
 def _round_lookup(fmt: LookupFormat, x: Fraction, mode: str, rand32: int | None) -> float:
+    if mode == "bitsandbytes":  # code = #{i: float32(x) > b[i]}
+        x32 = float32(float(x))
+        return fmt.table[sum(x32 > b for b in fmt.bitsandbytes_bounds())]
     table = [Fraction(v) for v in fmt.table]
     if x <= table[0]:
         return float(table[0])

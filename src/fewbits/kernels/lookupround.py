@@ -5,6 +5,11 @@ For codebooks of up to 32 values the code is a sum of comparisons against the ne
 only admits codebooks whose midpoints are exact in float64 and 2x is exact. Larger codebooks use
 a binary search. Stochastic rounding computes frac = (x - lo) / (hi - lo) in float64, as the
 reference does.
+
+mode="bitsandbytes" (bitsandbytes' NF4 rule, LookupFormat.bitsandbytes_bounds) is a float32
+rule for every input dtype: code = #{i: float32(x) > b[i]}, the float32 threshold kernel with
+its bounds as thresholds (the C kernel takes the same table); codebooks of more than 32 values
+by a binary search over the same bounds (torch.bucketize, as bitsandbytes itself).
 """
 from __future__ import annotations
 
@@ -92,7 +97,9 @@ _F32_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 def f32_thresholds(fmt: LookupFormat, mode: str) -> tuple[float, ...] | None:
     """Float32 t_i with code = #{i: x > t_i} for every float32 x (None if the codebook has values
     float32 cannot hold). Boundary i decides between v[i-1] and v[i] at m (the midpoint for the
-    nearest modes), going up on a tie where the mode says so."""
+    nearest modes), going up on a tie where the mode says so. mode="bitsandbytes": its bounds."""
+    if mode == "bitsandbytes":  # its bounds are its thresholds: code = #{i: x > b[i]}
+        return fmt.bitsandbytes_bounds()
     v = fmt.table
     if any(abs(t) > 3e38 or float(np.float32(t)) != t for t in v):
         return None
@@ -191,6 +198,8 @@ _codes_f32_compiled = compiled(_codes_f32)
 
 
 def _fast_thresholds(x, fmt, mode):
+    if mode == "bitsandbytes":  # a float32 rule for float64 input too: no exact path
+        return f32_thresholds(fmt, mode) if fmt.num_values <= UNROLL_MAX else None
     if x.dtype in _F32_INPUTS and fmt.num_values <= UNROLL_MAX:
         if mode in _F32_MODES and not (mode == "toward_zero" and 0.0 not in fmt.table):
             return f32_thresholds(fmt, mode)
@@ -202,6 +211,10 @@ def _fast_thresholds(x, fmt, mode):
 
 def _codes_search(x: torch.Tensor, fmt: LookupFormat, mode: str, seed) -> torch.Tensor:
     """The same codes by binary search (codebooks of any size)."""
+    if mode == "bitsandbytes":
+        bounds = torch.tensor(fmt.bitsandbytes_bounds(), dtype=torch.float32, device=x.device)
+        xf = x.to(torch.float32)
+        return torch.where(torch.isnan(xf), -1, torch.bucketize(xf, bounds))
     t = _table(fmt, str(x.device))
     x64 = x.to(torch.float64)
     n = t.numel()

@@ -69,8 +69,8 @@ def _domain_for(fmt, dtype) -> fr.Domain | None:
     return dom
 
 
-def _mode_seed(mode, generator):
-    check_mode(mode)
+def _mode_seed(mode, fmt, generator):
+    check_mode(mode, fmt)
     return draw_seed(generator) if mode == "stochastic" else (0, 0)
 
 
@@ -84,7 +84,8 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     x: torch.Tensor or numpy.ndarray of float16/bfloat16/float32/float64, any shape or strides.
     Returns the same type, shape and dtype (float16/bfloat16 are rounded exactly via float32, and
     the result is cast back: a value the input dtype cannot hold is rounded again by that cast).
-    mode: nearest_even | nearest_away | toward_zero | up | down | stochastic.
+    mode: nearest_even | nearest_away | toward_zero | up | down | stochastic, or for codebooks
+    the preset "bitsandbytes" (its NF4 rule: float32 bounds, ties to the lower code).
     overflow: saturate | inf | nan | None (the format's default: inf if it has inf, else saturate).
     generator: torch.Generator for stochastic rounding (default: torch's global RNG).
     out: a tensor of x's shape and dtype to write the result into (may be x itself).
@@ -93,16 +94,16 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     wx = _to_torch(x)
     t = wx.tensor
     _check_float(t)
-    check_mode(mode)
+    check_mode(mode, fmt)
     overflow = fmt.check_overflow(overflow, t.device.type)
     if out is None:
-        return wx.restore(_round_tensor(t, fmt, mode, overflow, _mode_seed(mode, generator)))
+        return wx.restore(_round_tensor(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator)))
     wo = _to_torch(out, "out")
     out_t = wo.tensor
     if out_t.shape != t.shape or out_t.dtype != t.dtype or out_t.device != t.device:
         raise ValueError(f"out has shape {tuple(out_t.shape)}, dtype {out_t.dtype}, device {out_t.device}; "
                          f"expected {tuple(t.shape)}, {t.dtype}, {t.device}")
-    _round_tensor(t, fmt, mode, overflow, _mode_seed(mode, generator), out_t)
+    _round_tensor(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator), out_t)
     if not wo.shares:  # the array could only be wrapped by copying it: write the result back
         np.copyto(out, wo.restore(out_t))
     return out
@@ -158,7 +159,7 @@ def encode(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
 
     _check_float(t)
     overflow = fmt.check_overflow(overflow, t.device.type)
-    seed = _mode_seed(mode, generator)
+    seed = _mode_seed(mode, fmt, generator)
     if not fmt.has_nan and t.numel() and bool(torch.isnan(t).any()):
         raise ValueError(f"x contains NaN, which has no code in {fmt.name} (a format without NaN)")
     cd = code_dtype(fmt.bits)
