@@ -14,7 +14,10 @@ int4 weight-only -- `aten._weight_int4pack_mm_for_cpu` ("tinygemm"):
 int8 weight-only -- `aten._weight_int8pack_mm`:
     y = bf16(float32(x_bf16 . w_int8) * s_bf16); K must be a multiple of 16 (other K read out of
     bounds in torch 2.x: wrong results or a crash), and the float32/float16 variants are scalar
-    loops, so activations go in as bfloat16.
+    loops, so activations go in as bfloat16. Its AVX-512/AMX code reads the weight and the
+    activations with aligned vector loads: a tensor not starting on a 64-byte boundary (a view
+    at an offset, or what safetensors hands back) kills the process with SIGSEGV from 4 rows of
+    activations on. Everything it is given passes through `aligned` first.
 w8a8 -- int8 x int8 -> int32, exact integer accumulation, then one float32 rescale:
     `onednn.qlinear_pointwise` on a prepacked weight (uint8 activations with zero point 128 carry
     the int8 values exactly; its signed-int8 activation path is a slow reference loop), or
@@ -36,6 +39,24 @@ from .scales import divide, reciprocal
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the group sizes tinygemm's CPU kernel accepts
 INT4_N_MULTIPLE = 16
 INT8PACK_K_MULTIPLE = 16
+
+
+KERNEL_ALIGNMENT = 64  # bytes; what torch's CPU allocator gives and AVX-512 aligned loads need
+
+
+def aligned(t: torch.Tensor, alignment: int = KERNEL_ALIGNMENT) -> torch.Tensor:
+    """`t` itself when it is contiguous and starts on an `alignment`-byte boundary, else a
+    contiguous copy that does. Every tensor handed to a kernel that needs aligned memory goes
+    through here (see the module docstring); checking costs well under a microsecond."""
+    if t.is_contiguous() and t.data_ptr() % alignment == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if out.data_ptr() % alignment:  # an allocator with a smaller alignment: cut a window out of more
+        nbytes = t.numel() * t.element_size()
+        buf = torch.empty(nbytes + alignment, dtype=torch.uint8, device=t.device)
+        start = -buf.data_ptr() % alignment
+        out = buf[start:start + nbytes].view(t.dtype).view(t.shape)
+    return out.copy_(t)
 
 
 SERIAL_MAX_NUMEL = 1 << 20  # elementwise steps on at most this many values run on one thread
@@ -173,8 +194,9 @@ def int8pack_available() -> bool:
 
 
 def int8_weight_matmul(x_bf16: torch.Tensor, w_int8: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bfloat16 @ (w_int8 [N, K] * s[:, None]).T -> [M, N] bfloat16 (K % 16 == 0)."""
-    return torch.ops.aten._weight_int8pack_mm(x_bf16, w_int8, scales_bf16)
+    """x [M, K] bfloat16 @ (w_int8 [N, K] * s[:, None]).T -> [M, N] bfloat16 (K % 16 == 0).
+    Every argument is made 64-byte aligned (a no-op for the weights QuantLinear built aligned)."""
+    return torch.ops.aten._weight_int8pack_mm(aligned(x_bf16), aligned(w_int8), aligned(scales_bf16))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -466,8 +466,13 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         return qt.scale_values().reshape(-1).expand(self.out_features).contiguous()
 
     def _build_int8pack(self, qt: QuantizedTensor) -> QuantizedTensor:
-        w = qt.codes.view(torch.int8).view(self.out_features, self.in_features)
-        s = self._weight_scales(qt).to(torch.bfloat16)
+        # the kernel crashes on unaligned weights (see lowbit_ops): align the codes once here, so
+        # that the weight stays a view of the codes and no call copies it
+        codes = ops.aligned(qt.codes)
+        if codes is not qt.codes:
+            qt = QuantizedTensor.from_state_dict(qt.scheme, qt.shape, qt.dtype, {**qt.state_dict(), "codes": codes})
+        w = codes.view(torch.int8).view(self.out_features, self.in_features)
+        s = ops.aligned(self._weight_scales(qt).to(torch.bfloat16))
         return KernelQuantizedTensor(qt, {"weight": w, "scales_bf16": s})
 
     def _build_w8a8_int_mm(self, qt: QuantizedTensor) -> QuantizedTensor:
