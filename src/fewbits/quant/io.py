@@ -16,20 +16,35 @@ A model file holds every tensor of the model's state_dict() as it is, except tha
 module (one with a `.qweight` QuantizedTensor) is stored as its qweight's tensors plus its
 `<module>.bias`. Loading needs a float skeleton of the same architecture: the listed layers are
 replaced by quantized modules and every other tensor is copied in. Loading checks everything
-before it changes the model, so a bad file leaves the model as it was. Writes go to a temporary
-file in the target's directory that replaces the target only once it is complete and synced.
+before it changes the model, so a bad file leaves the model as it was: the checksum, the type of
+every metadata field (a strict schema: a crafted file raises FileFormatError, never a
+RecursionError or TypeError), and every element code against its format.
+
+Writes go to a temporary file beside the target, ".<target name>.fewbits-tmp-<8 characters>",
+that replaces the target only once it is complete and synced, and is removed if the write
+fails. A save killed outright leaves it behind; the next save of the same target removes it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Mapping
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, so stale temporary files are not told from live ones
+    fcntl = None
 
 import torch
 from torch import nn
 
+from ..formats import LookupFormat
+from ..kernels import unpack
 from .model import is_quantized, quantized_module, set_submodule
 from .scheme import QuantScheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys
@@ -196,18 +211,36 @@ def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     save_file(tensors, path, metadata=metadata)
 
 
+TEMP_MARK = ".fewbits-tmp-"
+_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkstemp puts between prefix and suffix
+
+
+def temp_prefix(path) -> str:
+    """The name every temporary file of save(..., path) starts with, in the target's directory:
+    ".<target name>.fewbits-tmp-", then 8 random characters (nothing after them)."""
+    return f".{os.path.basename(os.fspath(path))}{TEMP_MARK}"
+
+
 def _atomic_write(tensors: dict, path, metadata: dict) -> None:
+    """Write to a temporary file beside `path`, sync it, rename it over `path`.
+
+    The temporary file is removed on any failure (KeyboardInterrupt included). A process killed
+    outright (SIGKILL, power loss) cannot remove it, so each save first removes the temporary
+    files of earlier saves of the same target that nobody is writing any more: a writer holds an
+    exclusive flock on its file from creation to rename, which the kernel drops when the process
+    dies, so an unlocked file of ours with our name pattern is stale."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
+    prefix = temp_prefix(path)
+    _remove_stale_temps(directory, prefix)
+    fd, tmp = _locked_temp(directory, prefix)
     try:
         _write_safetensors(tensors, tmp, metadata)
-        fd = os.open(tmp, os.O_RDONLY)
+        sync_fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            os.fsync(sync_fd)
         finally:
-            os.close(fd)
+            os.close(sync_fd)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:
@@ -216,7 +249,71 @@ def _atomic_write(tensors: dict, path, metadata: dict) -> None:
         except FileNotFoundError:
             pass
         raise
+    finally:
+        os.close(fd)  # drops the lock
     _fsync_directory(directory)
+
+
+def _locked_temp(directory: str, prefix: str) -> tuple[int, str]:
+    """(fd holding an exclusive flock, name) of a new empty temporary file. The lock is taken
+    right after creation; should a cleaner in another process have taken that file for stale in
+    between (it then removes it before letting go), another name is tried."""
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix="")
+        if fcntl is None:
+            return fd, tmp
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            try:
+                now = os.lstat(tmp)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                return fd, tmp
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _remove_stale_temps(directory: str, prefix: str) -> None:
+    """Remove the temporary files named `prefix` + 8 random characters in `directory` that are
+    regular files owned by this user and locked by no writer (see _atomic_write). Without flock
+    (not POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
+    if fcntl is None:
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and _TEMP_RANDOM.fullmatch(name[len(prefix):])):
+            continue
+        full = os.path.join(directory, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a save in progress
+            try:  # still that file under that name (not renamed into place meanwhile)?
+                now = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                try:
+                    os.remove(full)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
@@ -254,8 +351,9 @@ def load(path, model: nn.Module | None = None):
     A QuantizedTensor file gives the QuantizedTensor, a dict file the dict. A model file needs
     `model`: a freshly constructed float model of the same architecture. Its layers saved as
     quantized are replaced by quantized modules and all its other tensors are loaded; the model
-    is returned. Any problem raises FileFormatError (a ValueError) naming the file, and leaves
-    the model untouched.
+    is returned. Any problem with the file -- unreadable, truncated, corrupted, metadata of the
+    wrong shape or type, codes outside their format, not matching the model -- raises
+    FileFormatError (a ValueError) naming the file, and leaves the model untouched.
     """
     metadata, tensors = _read(path)
     content = metadata["content"]
@@ -263,19 +361,17 @@ def load(path, model: nn.Module | None = None):
         if model is None:
             raise ValueError(f"{os.fspath(path)} holds a model: pass model=, a freshly constructed float model "
                              "of the same architecture, to load it into")
-        return _load_model(path, metadata, tensors, model)
+        return _load_model(path, _parse_metadata(path, metadata), tensors, model)
     if model is not None:
         raise ValueError(f"{os.fspath(path)} holds quantized tensors, not a model: call load(path) without model=")
-    quantized = {name: qt for name, (qt, _) in _quantized_tensors(path, metadata, tensors, "{}.").items()}
+    fields = _parse_metadata(path, metadata)
+    quantized = {name: qt for name, (qt, _) in _quantized_tensors(path, fields["quantized"], tensors, "{}.").items()}
     if content == "tensor":
         if set(quantized) != {SINGLE_TENSOR_NAME} or tensors:
             raise FileFormatError(path, "a single-tensor file must hold exactly one quantized tensor")
         return quantized[SINGLE_TENSOR_NAME]
-    entries = _json_field(path, metadata, "entries", list)
-    if len(set(entries)) != len(entries) or not all(isinstance(e, str) for e in entries):
-        raise FileFormatError(path, "the 'entries' list is malformed")
     out = {}
-    for name in entries:
+    for name in fields["entries"]:
         if name in quantized:
             out[name] = quantized.pop(name)
         elif name in tensors:
@@ -326,16 +422,167 @@ def _check_marker(path, metadata) -> None:
         raise FileFormatError(path, "the checksum is missing")
 
 
-def _json_field(path, metadata: dict, key: str, kind: type):
+# ---------------------------------------------------------------------------------------------
+# the metadata schema: every JSON field's type is checked before any of it is used
+# ---------------------------------------------------------------------------------------------
+_JSON_FIELDS = {"model": ("quantized", "aliases"), "tensor": ("quantized",), "tensors": ("quantized", "entries")}
+_MAX_DIMS = 64
+_MAX_CODEBOOK = 1 << 16  # quantized formats have at most 16 bits
+
+
+def _is_int(lo: int, hi: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_INT64 = _is_int(-(2 ** 63), 2 ** 63 - 1)
+# (required fields, {field: check}) of a custom format's description (QuantScheme's _format_spec);
+# bit widths are bounded by what quantization stores, so no field can make a format costly to build
+_FORMAT_SPECS = {
+    "float": ({"exp_bits", "man_bits"}, {"exp_bits": _is_int(0, 16), "man_bits": _is_int(0, 16),
+                                         "bias": _optional(_is_int(-(2 ** 16), 2 ** 16)), "specials": _is_str,
+                                         "subnormals": _is_bool, "signed": _is_bool}),
+    "int": ({"bits"}, {"bits": _is_int(1, 16), "signed": _is_bool}),
+    "lookup": ({"name", "values"}, {"name": _is_str,
+                                    "values": lambda v: (isinstance(v, list) and 2 <= len(v) <= _MAX_CODEBOOK
+                                                         and all(_is_number(x) for x in v))}),
+}
+# every field of QuantScheme.to_dict(): a missing one takes the dataclass default
+_SCHEME_FIELDS = {
+    "format": None,  # checked by _check_format_spec
+    "granularity": _is_str, "axis": _INT64, "group_size": _optional(_is_int(1, 2 ** 62)),
+    "symmetric": _is_bool, "scale_format": _is_str, "scale_method": _is_str, "percentile": _is_number,
+    "mx_scale_mode": _is_str, "mode": _is_str, "seed": _is_int(-(2 ** 63), 2 ** 64 - 1),
+    "double_quant": _is_bool, "activations": None,  # None or a scheme without activations of its own
+    "zero_point": _is_str, "name": _optional(_is_str),
+}
+
+
+def _json_field(path, metadata: dict, key: str):
     try:
-        value = json.loads(metadata[key])
+        return json.loads(metadata[key])
     except KeyError:
         raise FileFormatError(path, f"the metadata has no {key!r} entry") from None
     except json.JSONDecodeError as e:
         raise FileFormatError(path, f"the metadata's {key!r} entry is not valid JSON: {e}") from None
-    if not isinstance(value, kind):
-        raise FileFormatError(path, f"the metadata's {key!r} entry must be a JSON {kind.__name__}")
-    return value
+    except RecursionError:
+        raise FileFormatError(path, f"the metadata's {key!r} entry is nested too deeply") from None
+
+
+def _parse_metadata(path, metadata: dict) -> dict:
+    """The JSON fields of the file's content kind, schema-checked: {"quantized": {name:
+    (QuantScheme, shape, dtype, module kind)}, and "aliases" {key: stored key} (models) or
+    "entries" [names] (dicts)}. Anything of the wrong shape or type is a FileFormatError."""
+    content = metadata["content"]
+    raw = {key: _json_field(path, metadata, key) for key in _JSON_FIELDS[content]}
+    fields = {}
+    if not isinstance(raw["quantized"], dict):
+        raise FileFormatError(path, "the metadata's 'quantized' entry must be a JSON object")
+    kinds = ("linear", "embedding") if content == "model" else (None,)
+    fields["quantized"] = {name: _parse_quantized_info(path, name, info, kinds)
+                           for name, info in raw["quantized"].items()}
+    if content == "model":
+        aliases = raw["aliases"]
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+            raise FileFormatError(path, "the metadata's 'aliases' entry must be a JSON object of strings")
+        fields["aliases"] = aliases
+    if content == "tensors":
+        entries = raw["entries"]
+        if (not isinstance(entries, list) or not all(isinstance(e, str) for e in entries)
+                or len(set(entries)) != len(entries)):
+            raise FileFormatError(path, "the metadata's 'entries' entry must be a JSON list of distinct strings")
+        fields["entries"] = entries
+    return fields
+
+
+def _parse_quantized_info(path, name: str, info, kinds: tuple) -> tuple:
+    where = f"quantized tensor {name!r}"
+    if not isinstance(info, dict) or set(info) != {"scheme", "shape", "dtype", "module"}:
+        raise FileFormatError(path, f"{where}: malformed description")
+    shape, dtype, kind = info["shape"], info["dtype"], info["module"]
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(0, 2 ** 62)(s) for s in shape)
+            and math.prod(shape) < 2 ** 62):
+        raise FileFormatError(path, f"{where}: bad shape {_short(shape)}")
+    if not isinstance(dtype, str) or dtype not in _FLOAT_DTYPES:
+        raise FileFormatError(path, f"{where}: bad dtype {_short(dtype)}")
+    if not (kind is None or isinstance(kind, str)) or kind not in kinds:
+        raise FileFormatError(path, f"{where}: unknown module kind {_short(kind)} "
+                              f"(a {'model' if kinds[0] else 'tensor'} file takes {' or '.join(map(repr, kinds))})")
+    problem = _scheme_problem(info["scheme"], allow_activations=True)
+    if problem:
+        raise FileFormatError(path, f"{where}: bad scheme: {problem}")
+    try:
+        scheme = QuantScheme.from_dict(info["scheme"])
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise FileFormatError(path, f"{where}: bad scheme: {e}") from None
+    return scheme, shape, _FLOAT_DTYPES[dtype], kind
+
+
+def _short(value) -> str:
+    """repr(value), cut to a length an error message can carry (values come from the file)."""
+    return _clip(repr(value))
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _scheme_problem(d, allow_activations: bool) -> str | None:
+    """What is wrong with the types of a scheme description (QuantScheme.to_dict()), or None.
+    The values themselves are checked by QuantScheme when it is built."""
+    if not isinstance(d, dict):
+        return f"a scheme description must be a JSON object, got {_short(d)}"
+    unknown = sorted(set(d) - set(_SCHEME_FIELDS))
+    if unknown:
+        return f"unknown scheme fields: {_clip(', '.join(unknown))}"
+    if "format" not in d:
+        return "the scheme has no format"
+    for key, value in d.items():
+        if key == "format":
+            problem = _format_problem(value)
+            if problem:
+                return problem
+        elif key == "activations":
+            if value is None:
+                continue
+            if not allow_activations:
+                return "an activation scheme has no activations of its own"
+            problem = _scheme_problem(value, allow_activations=False)
+            if problem:
+                return f"activations: {problem}"
+        elif not _SCHEME_FIELDS[key](value):
+            return f"field {key!r} has a value of the wrong type or range: {_short(value)}"
+    return None
+
+
+def _format_problem(spec) -> str | None:
+    if isinstance(spec, str):
+        return None  # a registered name: get_format checks it
+    if not isinstance(spec, dict) or spec.get("kind") not in _FORMAT_SPECS:
+        return f"bad format description {_short(spec)}"
+    required, checks = _FORMAT_SPECS[spec["kind"]]
+    fields = set(spec) - {"kind"}
+    if not required <= fields or not fields <= set(checks):
+        return f"bad {spec['kind']} format description {_short(spec)}"
+    for key in fields:
+        if not checks[key](spec[key]):
+            return f"format field {key!r} has a value of the wrong type or range: {_short(spec[key])}"
+    return None
 
 
 def expected_state_keys(scheme: QuantScheme) -> set[str]:
@@ -343,25 +590,13 @@ def expected_state_keys(scheme: QuantScheme) -> set[str]:
     return set(expected_keys(scheme))
 
 
-def _quantized_tensors(path, metadata: dict, tensors: dict, prefix_fmt: str) -> dict:
-    """{name: (QuantizedTensor, module kind)} for the entries listed in the metadata, their
-    tensors (stored under prefix_fmt.format(name) + key) popped from `tensors`."""
-    listed = _json_field(path, metadata, "quantized", dict)
+def _quantized_tensors(path, listed: dict, tensors: dict, prefix_fmt: str) -> dict:
+    """{name: (QuantizedTensor, module kind)} for the parsed entries `listed` (see
+    _parse_metadata), their tensors (stored under prefix_fmt.format(name) + key) popped from
+    `tensors`; each one's codes checked against its format."""
     out = {}
-    for name, info in listed.items():
+    for name, (scheme, shape, dtype, kind) in listed.items():
         where = f"quantized tensor {name!r}"
-        if not isinstance(info, dict) or set(info) != {"scheme", "shape", "dtype", "module"}:
-            raise FileFormatError(path, f"{where}: malformed description")
-        shape, dtype = info["shape"], info["dtype"]
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                for s in shape)):
-            raise FileFormatError(path, f"{where}: bad shape {shape!r}")
-        if dtype not in _FLOAT_DTYPES:
-            raise FileFormatError(path, f"{where}: bad dtype {dtype!r}")
-        try:
-            scheme = QuantScheme.from_dict(info["scheme"])
-        except (TypeError, ValueError) as e:
-            raise FileFormatError(path, f"{where}: bad scheme: {e}") from None
         prefix = prefix_fmt.format(name)
         want = expected_state_keys(scheme)
         present = {k[len(prefix):] for k in tensors if k.startswith(prefix) and k[len(prefix):] in STATE_KEYS}
@@ -372,14 +607,51 @@ def _quantized_tensors(path, metadata: dict, tensors: dict, prefix_fmt: str) -> 
                                   + ("; " if missing and extra else "")
                                   + (f"unexpected {', '.join(extra)}" if extra else ""))
         try:
-            qt = QuantizedTensor.from_state_dict(scheme, shape, _FLOAT_DTYPES[dtype],
-                                                 {k: tensors[prefix + k] for k in want})
-        except (TypeError, ValueError) as e:
+            qt = QuantizedTensor.from_state_dict(scheme, shape, dtype, {k: tensors[prefix + k] for k in want})
+        except (TypeError, ValueError, IndexError) as e:
             raise FileFormatError(path, f"{where}: {e}") from None
+        bad = _codes_outside_format(qt)
+        if bad:
+            raise FileFormatError(path, f"{where}: {bad}")
         for k in want:
             del tensors[prefix + k]
-        out[name] = (qt, info["module"])
+        out[name] = (qt, kind)
     return out
+
+
+_CODE_CHUNK = 1 << 20  # element codes unpacked at a time by the range check
+
+
+def _codes_outside_format(qt: QuantizedTensor) -> str | None:
+    """Why the element codes do not all name values of the scheme's format, or None. Only a
+    codebook with fewer than 2^bits values, or a format of 9 to 15 bits stored in 16-bit
+    words, leaves bit patterns that are no code; a file that held them would load, then give
+    NaN in some kernels and raise in dequantize()."""
+    fmt = qt.scheme.format
+    bits = fmt.bits
+    limit = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** bits
+    if bits > 8:
+        limit = min(limit, 2 ** 16)
+        if limit == 2 ** 16:
+            return None
+        for start in range(0, qt.codes.numel(), _CODE_CHUNK):
+            top = int((qt.codes[start:start + _CODE_CHUNK].to(torch.int32) & 0xFFFF).max())
+            if top >= limit:
+                return f"code {top} is outside the format {fmt.name} (codes 0..{limit - 1})"
+        return None
+    if limit >= 2 ** bits:
+        return None
+    rows, _, pcols, _ = qt.scheme.layout(qt.shape)
+    n = rows * pcols
+    per = math.lcm(bits, 8) // bits  # codes per run of whole bytes
+    step = max(per, _CODE_CHUNK // per * per)
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        first = start * bits // 8
+        top = int(unpack(qt.codes[first:first + -(-count * bits // 8)], bits, count, order="low_first").max())
+        if top >= limit:
+            return f"code {top} is outside the codebook {fmt.name} of {limit} values"
+    return None
 
 
 def _listing(names) -> str:
@@ -388,15 +660,15 @@ def _listing(names) -> str:
     return shown + (f" (and {len(names) - _MAX_LISTED_PROBLEMS} more)" if len(names) > _MAX_LISTED_PROBLEMS else "")
 
 
-def _load_model(path, metadata: dict, tensors: dict, model: nn.Module) -> nn.Module:
+def _load_model(path, fields: dict, tensors: dict, model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     already = [name or "<the model>" for name, m in model.named_modules() if is_quantized(m)]
     if already:
         raise ValueError(f"load() needs a freshly constructed float model; this one already has quantized "
                          f"modules: {_listing(already)}")
-    quantized = _quantized_tensors(path, metadata, tensors, "{}.qweight.")
-    aliases = _json_field(path, metadata, "aliases", dict)
+    quantized = _quantized_tensors(path, fields["quantized"], tensors, "{}.qweight.")
+    aliases = fields["aliases"]
     problems: list[str] = []
 
     # --- quantized layers: the skeleton must have a float Linear/Embedding of the right shape --------
@@ -410,10 +682,7 @@ def _load_model(path, metadata: dict, tensors: dict, model: nn.Module) -> nn.Mod
         except AttributeError:
             problems.append(f"the model has no module {name!r}")
             continue
-        want_type = {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind)
-        if want_type is None:
-            problems.append(f"{name!r}: unknown module kind {kind!r}")
-            continue
+        want_type = {"linear": nn.Linear, "embedding": nn.Embedding}[kind]  # _parse_metadata checked it
         if not isinstance(module, want_type):
             problems.append(f"{name!r} is a {type(module).__name__} in the model, an nn.{want_type.__name__} in the file")
             continue
