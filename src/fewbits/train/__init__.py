@@ -1,7 +1,7 @@
 """Mixed-precision training: precision policies, emulated casts, loss scaling, master weights and
 low-precision optimizer states, FP8 scaling recipes, numerics telemetry, checkpoints."""
 from .casts import cast, round_to
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from .engine import Engine
 from .fp8 import ScaledCast, mx_round, pow2_scale, scaled_round
 from .optim import PackedState, StateStore, pack_state
@@ -11,4 +11,4 @@ from .telemetry import Telemetry
 
 __all__ = ["Policy", "PRESETS", "Engine", "LossScaler", "Telemetry", "cast", "round_to", "ScaledCast",
            "mx_round", "pow2_scale", "scaled_round", "PackedState", "StateStore", "pack_state",
-           "save_checkpoint", "load_checkpoint"]
+           "save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]

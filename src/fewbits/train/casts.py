@@ -36,6 +36,13 @@ def round_to(x: torch.Tensor, fmt, mode: str = "nearest_even", overflow: str | N
     return fb_round(x, fmt, mode=mode, overflow=overflow, generator=generator, out=out)
 
 
+def saturates(fmt, overflow: str | None = None) -> bool:
+    """Whether rounding to `fmt` under `overflow` (None: the format's default) turns an infinity
+    into a finite value. Such a cast would hide a non-finite tensor from the step's inf/NaN
+    check, so the engine checks what enters it (NaN stays NaN under every overflow policy)."""
+    return get_format(fmt).check_overflow(overflow) == "saturate"
+
+
 Quantize = Callable[[torch.Tensor], torch.Tensor]
 
 

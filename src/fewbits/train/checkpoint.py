@@ -1,8 +1,24 @@
 """Checkpoint and resume: everything a step depends on, so that a resumed run is bit-identical
 to an uninterrupted one — model (working weights), master weights, optimizer states (in their
 packed form, as stored), loss scaler, FP8 amax histories, Kahan compensation buffers, the
-stochastic-rounding generators and the step counter. Files are written with torch.save and read
-with torch.load(weights_only=True).
+stochastic-rounding generators and the step counter.
+
+File layout (version 2): a header, then the bytes torch.save wrote for the state:
+  MAGIC            b"fewbits-train-checkpoint\\0" (25 bytes)
+  version          uint32, little-endian (2)
+  payload length   uint64, little-endian
+  digest           SHA-256 (32 bytes) of the two fields above and the payload
+  payload          torch.save(state): a zip of pickled containers and tensor bytes
+torch's zip holds no reliable check of its contents (of 160 single-bit flips in a version-1 file,
+65 loaded as a different state), so the digest covers every byte after the magic: a flipped bit
+or a truncation anywhere is a CheckpointError. The payload is unpickled with
+torch.load(weights_only=True) from the very bytes whose digest was checked.
+
+Loading then checks the state against the engine in full — policy, optimizer class, every model
+tensor's key, shape and dtype, masters, compensation buffers, the optimizer's groups and states,
+packed optimizer states, scaler, generators, FP8 slots, telemetry — before it copies anything in:
+a checkpoint that does not fit raises CheckpointError and leaves the model, the optimizer and
+the engine as they were. Saving never changes the engine, and the state it returns is a copy.
 
 Under FSDP2 (fully_shard_with_policy) the parameters and optimizer states are DTensors: each
 rank saves its own shards (give every rank its own path, e.g. f"ckpt-rank{rank}.pt") with their
@@ -10,63 +26,279 @@ global shapes, and loads them back into the DTensors of a model sharded the same
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
 import os
+import struct
+import tempfile
 
 import torch
 
-from .optim import PackedState
+from .fp8 import ScaledCast
+from .optim import PackedState, check_packed_dict
+from .scaler import LossScaler
 from .shards import is_dtensor, local
+from .telemetry import Telemetry
 
-FORMAT_TAG = "fewbits-train-checkpoint-v1"
+FORMAT_TAG = "fewbits-train-checkpoint-v2"
+MAGIC = b"fewbits-train-checkpoint\0"
+VERSION = 2
+_FIELDS = struct.Struct("<IQ")  # version, payload length
+_DIGEST_SIZE = 32
+HEADER_SIZE = len(MAGIC) + _FIELDS.size + _DIGEST_SIZE
+_KEYS = ("format", "policy", "optimizer_kind", "step_count", "model", "shards", "masters", "compensation",
+         "optimizer", "packed_states", "scaler", "generators", "slots", "telemetry", "overflows")
+_OPTIONAL_KEYS = ("extra",)
+_LISTED = 5
+
+
+class CheckpointError(ValueError):
+    """A training checkpoint that cannot be loaded: not a fewbits training checkpoint, corrupted
+    (digest mismatch, truncated), of a version this fewbits does not read, or not matching the
+    engine (another model, policy or optimizer). Raised before anything is changed."""
+
+    def __init__(self, problem: str, path=None):
+        self.path = os.fspath(path) if path is not None else None
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}" if self.path is not None else problem)
+
+
+# ---------------------------------------------------------------------------------------------
+# the state
+# ---------------------------------------------------------------------------------------------
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def engine_state(engine) -> dict:
-    opt_state = engine.optimizer.state_dict()
+    """A copy of everything a step depends on; the engine and its optimizer are left as they are."""
+    opt = engine.optimizer.state_dict()  # its per-parameter dicts are the live ones: never edit them
+    states: dict = {}
     packed: dict = {}
-    for idx, st in opt_state["state"].items():
-        for k, v in list(st.items()):
+    for idx, st in opt["state"].items():
+        own = {}
+        for k, v in st.items():
             if isinstance(v, PackedState):
-                packed.setdefault(idx, {})[k] = v.to_dict()
-                st[k] = None
-            elif is_dtensor(v):
-                st[k] = _local(v)
+                packed.setdefault(idx, {})[k] = _snapshot(v.to_dict())
+                own[k] = None
+            else:
+                own[k] = _snapshot(v)
+        states[idx] = own
     return {
         "format": FORMAT_TAG,
         "policy": engine.policy.to_dict(),
+        "optimizer_kind": optimizer_kind(engine.optimizer),
         "step_count": engine.step_count,
         "model": {k: _local(v) for k, v in engine.model.state_dict().items()},
         "shards": {k: list(v.shape) for k, v in engine.model.state_dict().items() if is_dtensor(v)},
         "masters": [e.master.detach().clone() for e in engine.entries],
         "compensation": [e.compensation.clone() if e.compensation is not None else None for e in engine.entries],
-        "optimizer": opt_state,
+        "optimizer": {"state": states, "param_groups": copy.deepcopy(opt["param_groups"])},
         "packed_states": packed,
         "scaler": engine.scaler.state_dict(),
         "generators": {k: g.get_state() for k, g in engine.generators.items()},
-        "slots": [[list(k), s.state_dict()] for k, s in engine.slots.items()],
-        "telemetry": engine.telemetry.state_dict() if engine.telemetry is not None else None,
-        "overflows": list(engine.overflows),
+        "slots": [[list(k), copy.deepcopy(s.state_dict())] for k, s in engine.slots.items()],
+        "telemetry": copy.deepcopy(engine.telemetry.state_dict()) if engine.telemetry is not None else None,
+        "overflows": copy.deepcopy(engine.overflows),
     }
 
 
-def load_engine_state(engine, state: dict) -> None:
-    if not isinstance(state, dict) or state.get("format") != FORMAT_TAG:
-        raise ValueError("not a fewbits training checkpoint")
-    if state["policy"] != engine.policy.to_dict():
-        raise ValueError(f"checkpoint was written under policy {state['policy']['name']!r}, "
-                         f"this engine runs {engine.policy.name!r} with different settings")
-    if len(state["masters"]) != len(engine.entries):
-        raise ValueError(f"checkpoint has {len(state['masters'])} managed parameters, the model {len(engine.entries)}")
-    _load_model(engine.model, state["model"], state.get("shards", {}))
+def load_engine_state(engine, state: dict, path=None) -> None:
+    """Check `state` against the engine in full (check_engine_state), then restore it."""
+    check_engine_state(engine, state, path)
+    _apply(engine, state)
+
+
+def check_engine_state(engine, state, path=None) -> None:
+    """Raise CheckpointError naming the first problem if `state` does not fit `engine`."""
+    def fail(problem):
+        raise CheckpointError(problem, path)
+
+    if not isinstance(state, dict):
+        fail(f"not a fewbits training checkpoint (its state is a {type(state).__name__}, not a dict)")
+    if state.get("format") != FORMAT_TAG:
+        fail(f"not a fewbits training checkpoint of this version (format {state.get('format')!r}, "
+             f"expected {FORMAT_TAG!r})")
+    missing = [k for k in _KEYS if k not in state]
+    unexpected = [k for k in state if k not in _KEYS + _OPTIONAL_KEYS]
+    if missing or unexpected:
+        fail(f"checkpoint keys: missing {missing}, unexpected {unexpected}")
+    policy = state["policy"]
+    if policy != engine.policy.to_dict():
+        name = policy.get("name") if isinstance(policy, dict) else policy
+        fail(f"checkpoint was written under policy {name!r}, this engine runs {engine.policy.name!r} "
+             "with different settings")
+    if state["optimizer_kind"] != optimizer_kind(engine.optimizer):
+        fail(f"checkpoint holds the state of a {state['optimizer_kind']!r} optimizer, this engine's "
+             f"optimizer is {optimizer_kind(engine.optimizer)!r}")
+    if not _is_int(state["step_count"]) or state["step_count"] < 0:
+        fail(f"step_count {state['step_count']!r} is not a non-negative integer")
+    if "extra" in state and not isinstance(state["extra"], dict):
+        fail("'extra' is not a dict")
+    _check_model(engine, state["model"], state["shards"], fail)
+    _check_masters(engine, state["masters"], state["compensation"], fail)
+    _check_optimizer(engine, state["optimizer"], state["packed_states"], fail)
+    _check_rest(engine, state, fail)
+
+
+def _check_model(engine, saved, shards, fail) -> None:
+    current = engine.model.state_dict()
+    if not isinstance(saved, dict) or not all(isinstance(v, torch.Tensor) for v in saved.values()):
+        fail("'model' is not a dict of tensors")
+    if not isinstance(shards, dict):
+        fail("'shards' is not a dict")
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing or unexpected:
+        fail(f"checkpoint does not match the model (another model?): missing {missing[:_LISTED]}, "
+             f"unexpected {unexpected[:_LISTED]}")
+    problems = []
+    for k, target in current.items():
+        v = saved[k]
+        if is_dtensor(target):
+            if shards.get(k) != list(target.shape):
+                fail(f"{k}: checkpoint holds {'a shard of ' + str(shards[k]) if k in shards else 'a full tensor'}, "
+                     f"the model a shard of {tuple(target.shape)}")
+            want = tuple(target.to_local().shape)
+        else:
+            if k in shards:
+                fail(f"{k}: checkpoint holds a shard of {shards[k]}, the model a full tensor")
+            want = tuple(target.shape)
+        if tuple(v.shape) != want or v.dtype != target.dtype:
+            problems.append(f"{k}: {v.dtype} {tuple(v.shape)} in the checkpoint, {target.dtype} {want} in the model")
+    extra_shards = [k for k in shards if k not in current]
+    if extra_shards:
+        fail(f"'shards' names tensors the model does not have: {extra_shards[:_LISTED]}")
+    if problems:
+        more = f" (and {len(problems) - _LISTED} more)" if len(problems) > _LISTED else ""
+        fail("checkpoint does not match the model (another model?): " + "; ".join(problems[:_LISTED]) + more)
+
+
+def _check_masters(engine, masters, compensation, fail) -> None:
+    n = len(engine.entries)
+    if not isinstance(masters, list) or len(masters) != n:
+        fail(f"checkpoint has {len(masters) if isinstance(masters, list) else 'no list of'} master weights, "
+             f"the engine manages {n} parameters")
+    if not isinstance(compensation, list) or len(compensation) != n:
+        fail(f"checkpoint's compensation buffers are not a list of {n}")
+    for e, m, c in zip(engine.entries, masters, compensation):
+        if not isinstance(m, torch.Tensor) or m.shape != e.master.shape or m.dtype != e.master.dtype:
+            got = f"{m.dtype} {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+            fail(f"{e.name}: checkpoint master is {got}, expected {e.master.dtype} {tuple(e.master.shape)}")
+        want = e.compensation
+        if (c is None) != (want is None) or (c is not None and (not isinstance(c, torch.Tensor) or c.shape != want.shape
+                                                              or c.dtype != want.dtype)):
+            fail(f"{e.name}: checkpoint compensation buffer does not match this policy's")
+
+
+def _step_shapes(engine) -> dict:
+    """id(optimizer parameter) -> the shape of the tensor the optimizer steps (this rank's shard)."""
+    shapes = {id(e.master): tuple(e.stored().shape) for e in engine.entries}
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            shapes.setdefault(id(p), tuple(local(p.data).shape))
+    return shapes
+
+
+def _check_optimizer(engine, saved, packed, fail) -> None:
+    if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
+        fail("'optimizer' is not an optimizer state_dict (keys state, param_groups)")
+    groups, live_groups = saved["param_groups"], engine.optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(live_groups):
+        fail(f"checkpoint's optimizer has {len(groups) if isinstance(groups, list) else 'no list of'} "
+             f"parameter groups, this one {len(live_groups)}")
+    ids = []
+    for i, (g, lg) in enumerate(zip(groups, live_groups)):
+        if not (isinstance(g, dict) and isinstance(g.get("params"), list) and all(_is_int(x) for x in g["params"])):
+            fail(f"optimizer parameter group {i} is malformed")
+        if len(g["params"]) != len(lg["params"]):
+            fail(f"optimizer parameter group {i} has {len(g['params'])} parameters in the checkpoint, "
+                 f"{len(lg['params'])} here")
+        ids += g["params"]
+    if len(set(ids)) != len(ids):
+        fail("optimizer parameter groups list a parameter twice")
+    params = dict(zip(ids, [p for lg in live_groups for p in lg["params"]]))
+    shapes = _step_shapes(engine)
+    states = saved["state"]
+    if not isinstance(states, dict):
+        fail("optimizer 'state' is not a dict")
+    for idx, st in states.items():
+        if idx not in params:
+            fail(f"optimizer state for parameter {idx!r}, which no parameter group lists")
+        if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
+            fail(f"optimizer state of parameter {idx} is malformed")
+        p = params[idx]
+        shape, sharded = shapes[id(p)], is_dtensor(p)
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                if v.dim() > 0 and not _fits(tuple(v.shape), shape, exact=sharded):
+                    fail(f"optimizer state {k!r} of parameter {idx} has shape {tuple(v.shape)}, "
+                         f"the parameter {shape} (another model?)")
+            elif not _plain(v):
+                fail(f"optimizer state {k!r} of parameter {idx} is a {type(v).__name__}")
+    if not isinstance(packed, dict):
+        fail("'packed_states' is not a dict")
+    if packed and not engine.states.active:
+        fail("checkpoint holds packed optimizer states, this policy keeps them in fp32")
+    for idx, entries in packed.items():
+        if not isinstance(entries, dict) or idx not in states:
+            fail(f"packed optimizer states of parameter {idx!r} have no optimizer state")
+        for k, d in entries.items():
+            if k not in states[idx] or states[idx][k] is not None:
+                fail(f"packed optimizer state {k!r} of parameter {idx} has no place in the optimizer state")
+            problem = check_packed_dict(d, engine.states.fmt_name, shapes[id(params[idx])])
+            if problem is not None:
+                fail(f"packed optimizer state {k!r} of parameter {idx}: {problem}")
+
+
+def _check_rest(engine, state, fail) -> None:
+    """Scaler, generators, slots and telemetry: each loaded into a scratch object first, by the
+    same load_state_dict that will load it into the engine's."""
+    def trial(what, load):
+        try:
+            load()
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+            fail(f"{what}: {type(exc).__name__}: {exc}")
+
+    trial("loss scaler state", lambda: LossScaler(engine.scaler.mode).load_state_dict(state["scaler"]))
+    gens = state["generators"]
+    if not isinstance(gens, dict) or set(gens) != set(engine.generators):
+        fail(f"checkpoint's generators are not {sorted(engine.generators)}")
+    for k, g in engine.generators.items():
+        if not isinstance(gens[k], torch.Tensor) or gens[k].dtype != torch.uint8:
+            fail(f"generator {k!r}: its state is not a uint8 tensor")
+        trial(f"generator {k!r}", lambda g=g, s=gens[k]: torch.Generator(device=g.device).set_state(s.cpu()))
+    slots = state["slots"]
+    if not isinstance(slots, list):
+        fail("'slots' is not a list")
+    for item in slots:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], (list, tuple))
+                and item[0] and item[0][-1] in ("forward", "backward")
+                and all(isinstance(x, str) or _is_int(x) for x in item[0])):
+            fail(f"FP8 slot {str(item)[:80]} is malformed")
+        trial(f"FP8 slot {item[0]}", lambda s=item[1]: ScaledCast(engine.policy.forward).load_state_dict(s))
+    if state["telemetry"] is not None:
+        trial("telemetry state", lambda: Telemetry().load_state_dict(state["telemetry"]))
+    if not (isinstance(state["overflows"], list) and all(isinstance(o, dict) for o in state["overflows"])):
+        fail("'overflows' is not a list of dicts")
+
+
+def _apply(engine, state: dict) -> None:
+    """Copy a checked state into the engine (nothing here can fail on a state that passed)."""
+    _load_model(engine.model, state["model"])
     with torch.no_grad():
         for e, m, c in zip(engine.entries, state["masters"], state["compensation"]):
-            if m.shape != e.master.shape:
-                raise ValueError(f"{e.name}: checkpoint master has shape {tuple(m.shape)}, "
-                                 f"expected {tuple(e.master.shape)}")
             e.master.data = m.clone()
             if c is not None:
                 e.compensation.copy_(c)
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
-    engine.optimizer.load_state_dict(state["optimizer"])
+    saved = state["optimizer"]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    by_id = dict(zip(ids, params))
+    # copies: the optimizer never shares a tensor with the caller's state
+    engine.optimizer.load_state_dict({"state": _snapshot(saved["state"]),
+                                      "param_groups": copy.deepcopy(saved["param_groups"])})
     for p in params:  # this rank's shards of the states back into DTensors like their parameter's
         if is_dtensor(p) and p in engine.optimizer.state:
             live = engine.optimizer.state[p]
@@ -74,76 +306,160 @@ def load_engine_state(engine, state: dict) -> None:
                 if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.dim() > 0:
                     live[k] = _as_shard_of(v, p)
     for idx, entries in state["packed_states"].items():
-        st = engine.optimizer.state[params[int(idx)]]
+        st = engine.optimizer.state[by_id[idx]]
         for k, d in entries.items():
-            st[k] = PackedState.from_dict(d)
+            st[k] = PackedState.from_dict(_snapshot(d))
     engine.scaler.load_state_dict(state["scaler"])
     for k, g in engine.generators.items():
-        g.set_state(state["generators"][k])
+        g.set_state(state["generators"][k].cpu())
     engine.slots.clear()
     for key, s in state["slots"]:
         engine._slot_from_checkpoint(tuple(key), s)
     if engine.telemetry is not None and state["telemetry"] is not None:
-        engine.telemetry.load_state_dict(state["telemetry"])
-    engine.overflows = list(state["overflows"])
+        engine.telemetry.load_state_dict(copy.deepcopy(state["telemetry"]))
+    engine.overflows = copy.deepcopy(state["overflows"])
     engine.step_count = int(state["step_count"])
     engine.zero_grad()
 
 
+# ---------------------------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------------------------
 def save_checkpoint(engine, path: str | os.PathLike, extra: dict | None = None) -> None:
-    """Write the engine's state (and `extra`, e.g. the data loader's RNG state) to `path`."""
+    """Write the engine's state (and `extra`, e.g. the data loader's RNG state: plain Python
+    values and tensors) to `path`, atomically: a temporary file beside it replaces it once
+    complete and synced. The engine is not changed."""
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
     state = engine_state(engine)
-    state["extra"] = extra or {}
-    tmp = f"{os.fspath(path)}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    state["extra"] = dict(extra or {})
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+    fields = _FIELDS.pack(VERSION, len(payload))
+    digest = hashlib.sha256(fields)
+    digest.update(payload)
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".fewbits-tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + fields + digest.digest())
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
+    """The state stored in a checkpoint file, its integrity checked (magic, version, length,
+    SHA-256) — not yet against an engine (load_checkpoint does that). CheckpointError otherwise;
+    FileNotFoundError for a missing file."""
+    path_s = os.fspath(path)
+    if not os.path.isfile(path_s):
+        if os.path.exists(path_s):
+            raise CheckpointError("not a regular file", path)
+        raise FileNotFoundError(f"no such file: {path_s}")
+    with open(path_s, "rb") as f:
+        header = f.read(HEADER_SIZE)
+        payload = f.read()
+    if not header.startswith(MAGIC):
+        hint = (" (a plain torch.save file, or a checkpoint of fewbits before version 2, which had no "
+                "integrity check)" if header.startswith(b"PK\x03\x04") else "")
+        raise CheckpointError(f"not a readable fewbits training checkpoint (no fewbits header){hint}", path)
+    if len(header) < HEADER_SIZE:
+        raise CheckpointError("not a readable fewbits training checkpoint: truncated inside its header", path)
+    fields = header[len(MAGIC):len(MAGIC) + _FIELDS.size]
+    version, length = _FIELDS.unpack(fields)
+    if version != VERSION:
+        raise CheckpointError(f"not a readable fewbits training checkpoint: version {version} "
+                              f"(this fewbits reads version {VERSION}; corrupted?)", path)
+    if length != len(payload):
+        raise CheckpointError(f"not a readable fewbits training checkpoint: {len(payload)} bytes of "
+                              f"payload, the header says {length} (truncated or corrupted)", path)
+    digest = hashlib.sha256(fields)
+    digest.update(payload)
+    if digest.digest() != header[len(MAGIC) + _FIELDS.size:]:
+        raise CheckpointError("checksum mismatch: the checkpoint is corrupted", path)
+    try:
+        state = torch.load(io.BytesIO(payload), weights_only=True, map_location=map_location)
+    except Exception as exc:  # noqa: BLE001 - a file written by something else with a valid digest
+        raise CheckpointError(f"not a readable fewbits training checkpoint ({type(exc).__name__}: {exc})",
+                              path) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_TAG:
+        raise CheckpointError("not a fewbits training checkpoint (no format tag in its state)", path)
+    return state
 
 
 def load_checkpoint(engine, path: str | os.PathLike) -> dict:
-    """Restore the engine from `path`; returns the `extra` dict saved with it."""
-    try:
-        state = torch.load(path, weights_only=True, map_location=engine.device)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file
-        raise ValueError(f"{path}: not a readable fewbits training checkpoint ({type(exc).__name__}: {exc})") from None
-    load_engine_state(engine, state)
+    """Restore the engine from `path`; returns the `extra` dict saved with it. Everything is
+    checked first (read_checkpoint, then check_engine_state): on CheckpointError the model,
+    optimizer and engine are unchanged."""
+    state = read_checkpoint(path, map_location=engine.device)
+    load_engine_state(engine, state, path)
     return state.get("extra", {})
 
 
+# ---------------------------------------------------------------------------------------------
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain copy of t: this rank's shard for a DTensor."""
     return local(t).detach().clone()
 
 
+def _snapshot(v):
+    """v with every tensor in it copied (this rank's shard for a DTensor), containers rebuilt."""
+    if isinstance(v, torch.Tensor):
+        return _local(v)
+    if isinstance(v, dict):
+        return {k: _snapshot(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_snapshot(x) for x in v)
+    return v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain(v) -> bool:
+    """Whether v is a value an optimizer state may hold besides a tensor: None, a number, a
+    string, or a list/tuple of those and tensors (L-BFGS keeps lists of directions)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(isinstance(x, torch.Tensor) or _plain(x) for x in v)
+    return False
+
+
+def _fits(state_shape: tuple, param_shape: tuple, exact: bool) -> bool:
+    """Whether a state tensor's shape belongs to a parameter's: the same, or (unless exact) the
+    same rank with some dimensions reduced to 1 (Adafactor's factored row and column states)."""
+    if exact or len(state_shape) != len(param_shape):
+        return state_shape == param_shape
+    return all(s == p or s == 1 for s, p in zip(state_shape, param_shape))
+
+
 def _as_shard_of(shard: torch.Tensor, like) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
-    if tuple(shard.shape) != tuple(like.to_local().shape):
-        raise ValueError(f"checkpoint shard has shape {tuple(shard.shape)}, this rank's is "
-                         f"{tuple(like.to_local().shape)} (sharded differently?)")
     return DTensor.from_local(shard.to(like.dtype), like.device_mesh, like.placements,
                               shape=like.shape, stride=like.stride())
 
 
-def _load_model(model, saved: dict, shards: dict) -> None:
-    """load_state_dict, with DTensor entries filled shard by shard (each rank its own)."""
+def _load_model(model, saved: dict) -> None:
+    """load_state_dict of a checked state, DTensor entries filled shard by shard (each rank its own)."""
     current = model.state_dict()
     plain = {}
-    for k, v in saved.items():
-        target = current.get(k)
-        if target is not None and is_dtensor(target):
-            if k not in shards or list(target.shape) != shards[k]:
-                raise ValueError(f"{k}: checkpoint holds {'a shard of ' + str(tuple(shards[k])) if k in shards else 'a full tensor'},"
-                                 f" the model a shard of {tuple(target.shape)}")
-            shard = target.to_local()
-            if tuple(shard.shape) != tuple(v.shape):
-                raise ValueError(f"{k}: checkpoint shard has shape {tuple(v.shape)}, this rank's is {tuple(shard.shape)}")
-            with torch.no_grad():
-                shard.copy_(v)
-        else:
-            plain[k] = v
-    missing = [k for k in current if k not in saved]
-    unexpected = [k for k in saved if k not in current]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, v in saved.items():
+            target = current[k]
+            if is_dtensor(target):
+                target.to_local().copy_(v)
+            else:
+                plain[k] = v
     model.load_state_dict(plain, strict=False)

@@ -24,6 +24,11 @@ A step: engine.backward(loss) scales the loss, back-propagates, and accumulates 
 gradients into fp32 buffers (the masters' .grad); engine.step() unscales, checks for inf/NaN,
 skips the step when found (the masters are never touched by a non-finite gradient), else runs
 optimizer.step() on the masters and refreshes the working copy; engine.zero_grad() clears.
+A saturating cast (FP8 recipes, formats without infinities) would turn an inf in an input,
+activation or gradient into a finite value: what enters one is checked on the device as it is
+cast, and the step is skipped as well (one read of all the checks, folded into the loss scaler's).
+A plain loss.backward() / optimizer.step() would leave the masters without gradients: with
+parameters under the engine's care, both raise RuntimeError naming engine.backward/engine.step.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..formats import get_format
-from .casts import cast, native_dtype, round_to
+from .casts import cast, native_dtype, round_to, saturates
 from .fp8 import ScaledCast
 from .optim import StateStore, land_update
 from .policy import Policy
@@ -152,6 +157,11 @@ class Engine:
         self.overflows: list[dict] = []
         self._frames: list[_Frame] = []
         self._fwd_flags: list = []
+        self._cast_flags: list = []  # (label, input finite: bool or 0-dim bool tensor) of saturating casts
+        self._stepping = False
+        self._act_saturates = saturates(pol.activations) and self.cast_activations
+        self._grad_saturates = (saturates(pol.grad_accum)
+                                or (self.storage_dtype == torch.float32 and saturates(self.weights_fmt)))
         self._accumulating = False
         self._sampling = False
         self._mode: _CastMode | None = None
@@ -160,6 +170,8 @@ class Engine:
         self._fp32_modules = self._classify_modules()
         self._replace_parameters()
         self._install_hooks()
+        if self.entries:  # the optimizer's parameters are masters whose gradients only engine.backward fills
+            optimizer.register_step_pre_hook(self._refuse_plain_step)
         if any(is_dtensor(e.working) for e in self.entries):  # each rank rounds its own shards:
             import torch.distributed as dist  # its own stream of random words
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -271,8 +283,8 @@ class Engine:
                 if outermost_fp32 and not is_loss and not is_root and self.compute_dtype != torch.float32:
                     output = _map_float(output, lambda t: t.to(self.compute_dtype))
                 elif is_leaf and not fp32 and self.cast_activations:
-                    act = self.policy.activations
-                    output = _map_float(output, lambda t: cast(t, lambda x: round_to(x, act), None))
+                    fwd = self._activation_round(name or "<root>")
+                    output = _map_float(output, lambda t: cast(t, fwd, None))
                 if self.detect_overflow and is_leaf:
                     _map_float(output, lambda t: self._fwd_flags.append((name, torch.isfinite(t.detach()).all())) or t)
                 if is_root:
@@ -282,6 +294,18 @@ class Engine:
                 if is_root:
                     self._exit_forward()
         return hook
+
+    def _activation_round(self, label: str):
+        """The rounding of activations to the policy's format; where it saturates, each input's
+        finiteness is logged for step() (in training: grad enabled when the cast is set up)."""
+        act = self.policy.activations
+        if not (self._act_saturates and torch.is_grad_enabled()):
+            return lambda x: round_to(x, act)
+
+        def rnd(x):
+            self._cast_flags.append((label, torch.isfinite(x).all()))
+            return round_to(x, act)
+        return rnd
 
     def _enter_forward(self):
         self._frames.clear()
@@ -307,6 +331,9 @@ class Engine:
             mode = pol.forward_rounding if role == "forward" else pol.backward_rounding
             s = ScaledCast(fmt, pol.fp8_recipe, mode, pol.amax_history_len, pol.fp8_margin, pol.mx_block,
                            self.generators["cast"])
+            s.label = ".".join(str(k) for k in key)
+            if role == "backward":  # runs only in a backward pass: always part of a step
+                s.finite_log = self._cast_flags
             self.slots[key] = s
         return s
 
@@ -338,6 +365,7 @@ class Engine:
             if i in positions and (self.cast_forward or self._sampling):
                 slot = self._slot((layer, idx, i, "forward"), "forward")
                 slot.observer = self._observer(f"{layer}#{idx}.{i}", "forward") if self._sampling else None
+                slot.finite_log = self._cast_flags if torch.is_grad_enabled() else None  # not in evaluation
                 if self.cast_forward:
                     a = cast(a, slot, None)
                 elif self._sampling:
@@ -346,7 +374,7 @@ class Engine:
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        fwd = (lambda x: round_to(x, self.policy.activations)) if self.cast_activations else None
+        fwd = self._activation_round(layer) if self.cast_activations else None
         bwd = None
         if self.cast_backward or self._sampling:
             slot = self._slot((layer, idx, "backward"), "backward")
@@ -370,6 +398,8 @@ class Engine:
             if g is None:
                 continue
             g = local(g)
+            if self._grad_saturates:  # the rounding below would hide an inf
+                self._cast_flags.append((e.name, torch.isfinite(g).all()))
             if sampled:  # the gradient as the working copy's format holds it (still loss-scaled)
                 self.telemetry.record_cast(self.step_count, e.name, "weight_grad", self.weights_fmt, g)
             if emulated_weights:  # a parameter stored in fp16 has an fp16 gradient
@@ -393,15 +423,20 @@ class Engine:
     def step(self) -> bool:
         """Unscale, check, update. Returns True if the optimizer stepped, False if the step was
         skipped because a gradient was inf or NaN (see self.last_step for what overflowed)."""
+        stray = [e.name for e in self.entries if e.working.grad is not None]
+        if stray:
+            raise RuntimeError(f"gradients of {stray[:3]} come from a plain loss.backward(): under a fewbits "
+                               "Engine call engine.backward(loss), then engine.step() (or engine.train_step(loss))")
         named = self._grads()
-        found_inf = self.scaler.unscale_([g for _, g in named])
+        found_inf = self.scaler.unscale_([g for _, g in named], nonfinite=self._saturated_nonfinite())
         scale_used = self.scaler.scale
         sampled = self.telemetry is not None and self.telemetry.wants(self.step_count)
         if found_inf and self.policy.skip_nonfinite:
             bad = [n for n, g in named if not bool(torch.isfinite(g).all())]
             layer = next((n for n, ok in self._fwd_flags if not bool(ok)), None)
+            at_cast = next((n for n, ok in self._cast_flags if not bool(ok)), None)
             self.last_step = {"step": self.step_count, "stepped": False, "scale": scale_used,
-                              "overflow_params": bad, "overflow_layer": layer}
+                              "overflow_params": bad, "overflow_layer": layer, "nonfinite_cast": at_cast}
             self.overflows.append(self.last_step)
             self.scaler.update(True)
             self._finish_step()
@@ -415,7 +450,11 @@ class Engine:
             e.master.grad = e.grad_buf
         before = {id(e): (e.master.detach().clone(), e.stored().clone()) for e in entries} if sampled else {}
         self.states.unpack()
-        self.optimizer.step()
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
         self.states.pack()
         self._refresh_working(no_master)
         if sampled:
@@ -434,10 +473,28 @@ class Engine:
             for e in self.entries:
                 e.master.data = torch.empty(0, dtype=torch.float32, device=e.master.device)
         self.last_step = {"step": self.step_count, "stepped": True, "scale": scale_used,
-                          "overflow_params": [], "overflow_layer": None}
+                          "overflow_params": [], "overflow_layer": None, "nonfinite_cast": None}
         self.scaler.update(False)
         self._finish_step()
         return True
+
+    def _saturated_nonfinite(self) -> torch.Tensor | None:
+        """One flag: did any saturating cast of this step get an inf or NaN (None: no such cast)."""
+        if not self._cast_flags:
+            return None
+        checks = [ok for _, ok in self._cast_flags if isinstance(ok, torch.Tensor)]
+        if not all(ok for _, ok in self._cast_flags if not isinstance(ok, torch.Tensor)):
+            return torch.ones((), dtype=torch.bool)
+        if not checks:
+            return None
+        dev = checks[0].device
+        return ~torch.stack([c.to(dev) for c in checks]).all()
+
+    def _refuse_plain_step(self, optimizer, args, kwargs):
+        if not self._stepping:
+            raise RuntimeError("this optimizer updates the master weights of a fewbits Engine, whose gradients "
+                               "only the engine fills: call engine.backward(loss) and engine.step() (or "
+                               "engine.train_step(loss)) instead of loss.backward() and optimizer.step()")
 
     def _refresh_working(self, no_master: bool) -> None:
         pol = self.policy
@@ -463,6 +520,7 @@ class Engine:
     def _finish_step(self) -> None:
         self.step_count += 1
         self._fwd_flags.clear()
+        self._cast_flags.clear()
 
     def zero_grad(self) -> None:
         self._accumulating = False
@@ -472,6 +530,7 @@ class Engine:
         for _, p in self.plain_params:
             p.grad = None
         self._fwd_flags.clear()
+        self._cast_flags.clear()
 
     def train_step(self, loss: torch.Tensor) -> bool:
         """backward + step + zero_grad."""

@@ -13,7 +13,8 @@
 Per-tensor scales here are powers of two, 2^(floor(log2(max / amax)) - margin), so scaling is
 exact in binary floating point and the emulated result round(x * s) / s is exactly the value an
 FP8 GEMM would see. A non-finite amax (an overflowing, loss-scaled gradient) neither sets the
-scale nor enters the history: the step will be skipped by the loss scaler anyway.
+scale nor enters the history. Saturation would turn that inf into a finite value, so a ScaledCast
+tells the engine whether each input was finite (see ScaledCast.finite_log) and the step is skipped.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from collections import deque
 import torch
 
 from ..formats import get_format
-from .casts import round_to
+from .casts import round_to, saturates
 
 _OVERFLOW = "saturate"
 
@@ -48,6 +49,11 @@ def mx_round(x: torch.Tensor, fmt, block: int = 32, mode: str = "nearest_even",
              generator: torch.Generator | None = None) -> torch.Tensor:
     """x in MX blocks along its last dimension: per block an E8M0 scale X = 2^(floor(log2 amax) -
     emax_elem) and elements round(x / X, fmt) saturated; returns the dequantized values X * q."""
+    return _mx_round(x, fmt, block, mode, generator)[0]
+
+
+def _mx_round(x, fmt, block, mode, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mx_round's result, the amax of every block: inf or NaN where the block held one)."""
     fmt = get_format(fmt)
     if x.dim() == 0:
         x2 = x.reshape(1, 1)
@@ -68,12 +74,19 @@ def mx_round(x: torch.Tensor, fmt, block: int = 32, mode: str = "nearest_even",
     scale = torch.ldexp(torch.ones_like(amax), shared)
     q = round_to(blocks / scale, fmt, mode, _OVERFLOW, generator) * scale
     q = q.reshape(work.shape)[:, :n] if pad else q.reshape(work.shape)
-    return q.reshape(x.shape).to(x.dtype)
+    return q.reshape(x.shape).to(x.dtype), amax
 
 
 class ScaledCast:
     """A callable rounding tensors to `fmt` under one recipe, keeping the state of one place in
-    the model (its amax history). `observe(before, after)` is called when telemetry asks."""
+    the model (its amax history). `observe(before, after)` is called when telemetry asks.
+
+    Every recipe but plain rounding to a format with infinities saturates: an inf becomes a
+    finite value, and a step that met one would go on as if nothing happened. While
+    `finite_log` is a list, each call whose rounding saturates appends (label, whether its input
+    was finite): a bool where the recipe already fetched the amax (current, delayed), else a
+    0-dim bool tensor on the input's device (no wait for the device; the engine reads them all
+    at once in step())."""
 
     def __init__(self, fmt, recipe: str = "none", mode: str = "nearest_even", history_len: int = 16,
                  margin: int = 0, block: int = 32, generator: torch.Generator | None = None):
@@ -83,6 +96,9 @@ class ScaledCast:
         self.generator = generator
         self.observer = None
         self.last_scale = 1.0
+        self.hides_nonfinite = recipe != "none" or saturates(self.fmt)
+        self.finite_log: list | None = None
+        self.label = ""
 
     def scale_for(self, x: torch.Tensor) -> tuple[float, float]:
         """(scale to use now, amax of x)."""
@@ -92,15 +108,22 @@ class ScaledCast:
         return pow2_scale(max(self.history), self.fmt.max, self.margin), amax
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        log = self.finite_log if self.hides_nonfinite else None
         if self.recipe == "mx":
-            out = mx_round(x, self.fmt, self.block, self.mode, self.generator)
+            out, amax = _mx_round(x, self.fmt, self.block, self.mode, self.generator)
+            if log is not None:
+                log.append((self.label, torch.isfinite(amax).all()))
         elif self.recipe in ("current", "delayed"):
             scale, amax = self.scale_for(x)
             self.last_scale = scale
             out = scaled_round(x, self.fmt, scale, self.mode, self.generator)
             if math.isfinite(amax):
                 self.history.append(amax)
+            if log is not None:
+                log.append((self.label, math.isfinite(amax)))
         else:
+            if log is not None:
+                log.append((self.label, torch.isfinite(x).all()))
             out = round_to(x, self.fmt, self.mode, None, self.generator)
         if self.observer is not None:
             self.observer(x, out, self)
@@ -110,6 +133,12 @@ class ScaledCast:
         return {"history": list(self.history), "last_scale": self.last_scale}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s output; ValueError (before any change) if it is malformed."""
+        real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not (isinstance(state, dict) and set(state) == {"history", "last_scale"}
+                and isinstance(state["history"], list) and all(real(v) for v in state["history"])
+                and real(state["last_scale"])):
+            raise ValueError("an FP8 cast state is {'history': [numbers], 'last_scale': number}")
         self.history.clear()
         self.history.extend(float(v) for v in state["history"])
         self.last_scale = float(state["last_scale"])

@@ -70,18 +70,69 @@ class PackedState:
         return cls(d["kind"], d["shape"], d["data"], d["scales"], d["fmt"], d["unsigned"])
 
 
+def packed_kind(fmt_name: str) -> str:
+    """How states in the storage `fmt_name` are packed: blockwise, dtype, codes or values."""
+    if fmt_name == "int8_blockwise":
+        return "blockwise"
+    fmt = get_format(fmt_name)
+    if native_dtype(fmt.name) is not None:
+        return "dtype"
+    return "codes" if fmt.bits <= 8 else "values"
+
+
 def pack_state(v: torch.Tensor, fmt_name: str, mode: str = "nearest_even",
                generator: torch.Generator | None = None) -> PackedState:
     """v (float32) in the storage `fmt_name` ('int8_blockwise' or a fewbits format name)."""
-    if fmt_name == "int8_blockwise":
+    kind = packed_kind(fmt_name)
+    if kind == "blockwise":
         return _pack_blockwise(v, mode, generator)
     fmt = get_format(fmt_name)
-    dtype = native_dtype(fmt.name)
-    if dtype is not None:
-        return PackedState("dtype", v.shape, round_to(v, fmt, mode, generator=generator).to(dtype))
-    if fmt.bits <= 8:
+    if kind == "dtype":
+        return PackedState("dtype", v.shape, round_to(v, fmt, mode, generator=generator).to(native_dtype(fmt.name)))
+    if kind == "codes":
         return PackedState("codes", v.shape, encode(v, fmt, mode=mode, generator=generator), fmt=fmt.name)
     return PackedState("values", v.shape, round_to(v, fmt, mode, generator=generator), fmt=fmt.name)
+
+
+def check_packed_dict(d, fmt_name: str, shape: tuple) -> str | None:
+    """What is wrong with `d` as PackedState.to_dict() of a state of `shape` stored in `fmt_name`
+    (None: nothing). A checkpoint's packed states are checked with it before any is loaded."""
+    if not isinstance(d, dict) or set(d) != {"kind", "shape", "data", "scales", "fmt", "unsigned"}:
+        return "not a packed state (keys kind, shape, data, scales, fmt, unsigned)"
+    kind = packed_kind(fmt_name)
+    if d["kind"] != kind:
+        return f"packed as {d['kind']!r}, states in {fmt_name} are packed as {kind!r}"
+    if not (isinstance(d["shape"], (list, tuple)) and all(type(s) is int for s in d["shape"])
+            and tuple(d["shape"]) == tuple(shape)):
+        return f"shape {d['shape']!r}, the parameter's is {list(shape)}"
+    data, scales, unsigned = d["data"], d["scales"], d["unsigned"]
+    if not isinstance(data, torch.Tensor):
+        return "its data is not a tensor"
+    if not isinstance(unsigned, bool):
+        return f"unsigned={unsigned!r} is not a bool"
+    n = 1
+    for s in shape:
+        n *= s
+    if kind == "blockwise":
+        blocks = -(-n // BLOCK)
+        want = torch.uint8 if unsigned else torch.int8
+        if data.dtype != want or tuple(data.shape) != (blocks * BLOCK,):
+            return f"data {data.dtype} of {data.numel()} values, expected {want} of {blocks * BLOCK}"
+        if not (isinstance(scales, torch.Tensor) and scales.dtype == torch.float32 and scales.dim() == 1
+                and scales.numel() == blocks):
+            return f"scales must be {blocks} float32 values"
+        if d["fmt"] is not None:
+            return f"fmt={d['fmt']!r}, blockwise states have none"
+        return None
+    fmt = get_format(fmt_name)
+    want = {"dtype": native_dtype(fmt.name), "codes": torch.uint8, "values": torch.float32}[kind]
+    if data.dtype != want or tuple(data.shape) != tuple(shape):
+        return f"data {data.dtype} {tuple(data.shape)}, expected {want} {tuple(shape)}"
+    if scales is not None or unsigned:
+        return "scales or unsigned given for a state without blocks"
+    if d["fmt"] != (None if kind == "dtype" else fmt.name):
+        return f"fmt={d['fmt']!r}, expected {None if kind == 'dtype' else fmt.name!r}"
+    return None
 
 
 def _pack_blockwise(v: torch.Tensor, mode: str, generator) -> PackedState:

@@ -34,8 +34,9 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scale == 1.0 else loss * self.scale
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
-        """Divide every gradient by the scale in place; True if any is inf or NaN.
+    def unscale_(self, grads: list[torch.Tensor], nonfinite: torch.Tensor | None = None) -> bool:
+        """Divide every gradient by the scale in place; True if any is inf or NaN, or if the
+        0-dim flag `nonfinite` (an earlier check on the device: a saturating cast met an inf) is set.
 
         Sharded gradients (DTensors, as FSDP2 leaves them) are checked shard by shard and the
         verdict is agreed across the ranks (an all-reduce of the flag), so that every rank skips
@@ -43,7 +44,7 @@ class LossScaler:
         group = agreeing_group(grads)
         grads = [local(g) for g in grads]
         if not grads:
-            return False
+            return bool(nonfinite) if nonfinite is not None else False
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         inv = torch.full((), float(_F32(1.0) / _F32(self.scale)), dtype=torch.float32, device=grads[0].device)
         by_dtype: dict = {}
@@ -51,6 +52,8 @@ class LossScaler:
             by_dtype.setdefault(g.dtype, []).append(g)
         for same_dtype in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
+        if nonfinite is not None:
+            found = torch.maximum(found, nonfinite.to(device=found.device, dtype=torch.float32))
         if group is not None:
             import torch.distributed as dist
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=None if group == "world" else group)
@@ -82,10 +85,24 @@ class LossScaler:
                 "history": list(self.history), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s output; ValueError (before any change) if it is malformed."""
+        if not isinstance(state, dict) or set(state) != {"mode", "scale", "growth_tracker", "history", "skipped_steps"}:
+            raise ValueError("a loss scaler state has the keys mode, scale, growth_tracker, history, skipped_steps")
         if state["mode"] != self.mode:
             raise ValueError(f"checkpoint's loss scaling is {state['mode']!r}, this engine's is {self.mode!r}")
+        if not (_real(state["scale"]) and 0 < state["scale"] < float("inf")):
+            raise ValueError(f"loss scale {state['scale']!r} is not a positive finite number")
+        for key in ("growth_tracker", "skipped_steps"):
+            if not (isinstance(state[key], int) and not isinstance(state[key], bool) and state[key] >= 0):
+                raise ValueError(f"{key} {state[key]!r} is not a non-negative integer")
+        if not (isinstance(state["history"], list) and all(_real(v) for v in state["history"])):
+            raise ValueError("the loss scale history is not a list of numbers")
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.history = [float(v) for v in state["history"]]
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 

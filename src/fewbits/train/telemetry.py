@@ -250,6 +250,15 @@ class Telemetry:
                 "hist_format": dict(self.hist_format)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s output; ValueError (before any change) if it is malformed."""
+        names = lambda d, ok: isinstance(d, dict) and all(isinstance(k, str) and ok(v) for k, v in d.items())  # noqa: E731
+        count = lambda v: isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool))  # noqa: E731
+        if not (isinstance(state, dict) and set(state) == {"rows", "hist", "hist_zeros", "hist_format"}
+                and isinstance(state["rows"], list) and all(isinstance(r, dict) for r in state["rows"])
+                and names(state["hist"], lambda v: isinstance(v, torch.Tensor))
+                and names(state["hist_zeros"], count) and names(state["hist_format"], lambda v: isinstance(v, str))):
+            raise ValueError("a telemetry state is {'rows': [dicts], 'hist': {role: tensor}, "
+                             "'hist_zeros': {role: count}, 'hist_format': {role: format name}}")
         self.rows = list(state["rows"])
         self._hist = dict(state["hist"])
         self._hist_zeros = dict(state["hist_zeros"])

@@ -1,0 +1,294 @@
+"""Training state under hostile use (issue 12, item 4): saving never changes the live state, a
+checkpoint that does not fit or is corrupted never changes the engine, every policy skips a step
+that met inf/NaN before a saturating cast, and a plain loss.backward()/optimizer.step() fails loudly."""
+import copy
+import math
+
+import pytest
+import torch
+from helpers_train import digits, mlp
+from torch import nn
+
+from fewbits.train import PRESETS, CheckpointError, Engine, Telemetry, load_checkpoint, read_checkpoint, save_checkpoint
+from fewbits.train import checkpoint as ckpt
+
+
+def batches(n, seed=3, batch=32):
+    x, y = digits()
+    g = torch.Generator().manual_seed(seed)
+    return [(x[i], y[i]) for i in (torch.randint(0, x.shape[0], (batch,), generator=g) for _ in range(n))]
+
+
+def make(policy, hidden=64, opt=torch.optim.AdamW):
+    model = mlp(hidden)
+    return model, Engine(model, opt(model.parameters(), lr=3e-3), policy, telemetry=Telemetry(every=2), seed=5)
+
+
+def run(model, engine, data):
+    for x, y in data:
+        engine.train_step(nn.functional.cross_entropy(model(x), y))
+
+
+def same(a, b) -> bool:
+    """Bit-identical nested states (tensors by dtype, shape and bytes; NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+def full_state(model, engine):
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "engine": engine.state_dict()}
+
+
+# --- saving never changes the live state ------------------------------------------------------
+@pytest.mark.parametrize("policy", ["bf16-mixed-8bit-adam", "bf16-mixed", "fp8-hybrid", "bf16-pure-kahan"])
+def test_saving_never_changes_the_live_state(policy, tmp_path):
+    data = batches(4)
+    model, eng = make(policy)
+    run(model, eng, data)
+    expected = full_state(model, eng)
+
+    model, eng = make(policy)
+    run(model, eng, data[:2])
+    snapshot = eng.state_dict()
+    frozen = copy.deepcopy(snapshot)
+    save_checkpoint(eng, tmp_path / "ck.pt")
+    run(model, eng, data[2:])  # under 8-bit Adam this failed: the packed moments had become None
+    assert same(full_state(model, eng), expected)
+    assert same(snapshot, frozen)  # and a state dict is a copy: later steps do not change it
+
+
+# --- a checkpoint that does not fit changes nothing -------------------------------------------
+def _trained(policy, hidden=64, opt=torch.optim.AdamW, seed=1):
+    model, eng = make(policy, hidden, opt)
+    run(model, eng, batches(2, seed=seed))
+    return model, eng
+
+
+def _refused(model, eng, path, match):
+    before = full_state(model, eng)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(eng, path)
+    assert same(full_state(model, eng), before)
+    assert eng.train_step(nn.functional.cross_entropy(model(batches(1)[0][0]), batches(1)[0][1]))
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-mixed", "bf16-mixed-8bit-adam"])
+def test_checkpoint_of_another_model_changes_nothing(policy, tmp_path):
+    model, eng = _trained(policy, hidden=32)
+    save_checkpoint(eng, tmp_path / "other.pt")
+    model, eng = _trained(policy, seed=2)  # the same layers, another hidden width: the last bias would fit
+    _refused(model, eng, tmp_path / "other.pt", "another model")
+
+
+def _crafted(tmp_path, monkeypatch, eng, edit):
+    """A checkpoint with a valid digest whose state `edit` changed (as a foreign writer might)."""
+    state = ckpt.engine_state(eng)
+    edit(state)
+    monkeypatch.setattr(ckpt, "engine_state", lambda engine: state)
+    save_checkpoint(eng, tmp_path / "crafted.pt")
+    monkeypatch.undo()
+    return tmp_path / "crafted.pt"
+
+
+def _set_optimizer_state(state, value):
+    state["optimizer"]["state"][0]["exp_avg"] = value
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s["masters"].__setitem__(0, torch.zeros(3, 3)), "master"),
+    (lambda s: s.pop("masters"), "missing \\['masters'\\]"),
+    (lambda s: s.__setitem__("masters", s["masters"][:-1]), "master weights"),
+    (lambda s: s["model"].__setitem__("0.weight", s["model"]["0.weight"].float()), "0.weight"),
+    (lambda s: s["model"].pop("2.bias"), "missing \\['2.bias'\\]"),
+    (lambda s: _set_optimizer_state(s, torch.zeros(7, 7)), "exp_avg"),
+    (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), "group 0"),
+    (lambda s: s.__setitem__("optimizer_kind", "torch.optim.sgd.SGD"), "optimizer"),
+    (lambda s: s["scaler"].__setitem__("scale", "big"), "loss scaler"),
+    (lambda s: s["generators"].__setitem__("cast", torch.zeros(3, dtype=torch.uint8)), "generator"),
+    (lambda s: s["slots"].append([["0", 0, 0, "forward"], {"history": "x"}]), "slot"),
+    (lambda s: s.__setitem__("step_count", -1), "step_count"),
+    (lambda s: s.__setitem__("surprise", 1), "unexpected \\['surprise'\\]"),
+])
+def test_checkpoint_that_does_not_fit_changes_nothing(edit, match, tmp_path, monkeypatch):
+    model, eng = _trained("fp8-hybrid")
+    path = _crafted(tmp_path, monkeypatch, eng, edit)
+    model, eng = _trained("fp8-hybrid", seed=2)  # another state: an overwrite would show
+    _refused(model, eng, path, match)
+    state = ckpt.engine_state(eng)  # the in-memory API checks the same way
+    edit(state)
+    before = full_state(model, eng)
+    with pytest.raises(CheckpointError, match=match):
+        eng.load_state_dict(state)
+    assert same(full_state(model, eng), before)
+
+
+def test_checkpoint_of_another_optimizer_or_policy_changes_nothing(tmp_path):
+    model, eng = _trained("bf16-mixed", opt=torch.optim.Adam)
+    save_checkpoint(eng, tmp_path / "adam.pt")
+    model, eng = _trained("bf16-mixed", seed=2)
+    _refused(model, eng, tmp_path / "adam.pt", "Adam")
+    model, eng = _trained("bf16-pure", seed=2)
+    _refused(model, eng, tmp_path / "adam.pt", "policy")
+
+
+def test_packed_states_are_checked(tmp_path, monkeypatch):
+    model, eng = _trained("bf16-mixed-8bit-adam")
+
+    def shrink(state):
+        d = state["packed_states"][0]["exp_avg_sq"]
+        d["data"] = d["data"][:-256]
+    path = _crafted(tmp_path, monkeypatch, eng, shrink)
+    model, eng = _trained("bf16-mixed-8bit-adam", seed=2)
+    _refused(model, eng, path, "exp_avg_sq")
+
+
+# --- integrity ---------------------------------------------------------------------------------
+def test_corrupted_checkpoints_never_load(tmp_path):
+    model, eng = _trained("fp8-hybrid", hidden=16)
+    path = tmp_path / "ck.pt"
+    save_checkpoint(eng, path, extra={"next_batch": 2})
+    good = path.read_bytes()
+    model, eng = _trained("fp8-hybrid", hidden=16, seed=2)
+    before = full_state(model, eng)
+    bad = tmp_path / "bad.pt"
+    n = len(good)
+    for i in range(64):  # single-bit flips spread over the whole file, header included
+        pos = min(n - 1, i * n // 64 + (i * 7919) % max(1, n // 64))
+        flipped = bytearray(good)
+        flipped[pos] ^= 1 << (i % 8)
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError):
+            load_checkpoint(eng, bad)
+    for cut in (0, 1, 24, ckpt.HEADER_SIZE - 1, ckpt.HEADER_SIZE, ckpt.HEADER_SIZE + 1, n // 2, n - 1):
+        bad.write_bytes(good[:cut])
+        with pytest.raises(CheckpointError):
+            load_checkpoint(eng, bad)
+    bad.write_bytes(good + b"\0")
+    with pytest.raises(CheckpointError):
+        load_checkpoint(eng, bad)
+    assert same(full_state(model, eng), before)
+    assert load_checkpoint(eng, path) == {"next_batch": 2}  # the intact file still loads
+    assert read_checkpoint(path)["step_count"] == 2
+
+
+def test_unreadable_paths(tmp_path):
+    _, eng = _trained("bf16-mixed", hidden=16)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(eng, tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_checkpoint(eng, tmp_path)
+    torch.save({"format": ckpt.FORMAT_TAG}, tmp_path / "plain.pt")
+    with pytest.raises(CheckpointError, match="no fewbits header"):
+        load_checkpoint(eng, tmp_path / "plain.pt")
+
+
+def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
+    _, eng = _trained("bf16-mixed", hidden=16)
+    save_checkpoint(eng, tmp_path / "ck.pt")
+    good = (tmp_path / "ck.pt").read_bytes()
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(eng, tmp_path / "ck.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"] and (tmp_path / "ck.pt").read_bytes() == good
+
+
+# --- every policy skips a step that met inf/NaN -----------------------------------------------
+class _Bomb(nn.Module):
+    """Identity, except that when armed it puts `value` into the activation (forward) or into the
+    gradient flowing back through it (backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward_value = self.backward_value = None
+
+    def forward(self, h):
+        if self.forward_value is not None:
+            h = h.clone()
+            h[0, 0] = self.forward_value
+        if self.backward_value is not None and h.requires_grad:
+            value = self.backward_value
+            h.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(value, dtype=g.dtype)))
+        return h
+
+
+def _bomb_net(policy):
+    torch.manual_seed(0)
+    bomb = _Bomb()
+    # between two Linears: what it puts in meets the next one's input and the previous one's output gradient
+    model = nn.Sequential(nn.Linear(64, 32), bomb, nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    return model, bomb, Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy)
+
+
+@pytest.mark.parametrize("where", ["input", "activation", "gradient"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("policy", sorted(PRESETS))
+def test_every_policy_skips_a_step_that_met_inf_or_nan(policy, value, where):
+    model, bomb, eng = _bomb_net(policy)
+    (x, y), = batches(1)
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))
+    before = full_state(model, eng)
+    if where == "input":
+        x = x.clone()
+        x[0, 0] = value
+    elif where == "activation":
+        bomb.forward_value = value
+    else:
+        bomb.backward_value = value
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y)) is False
+    after = full_state(model, eng)
+    assert same(after["model"], before["model"]) and same(after["engine"]["masters"], before["engine"]["masters"])
+    assert same(after["engine"]["optimizer"], before["engine"]["optimizer"])
+    assert eng.skipped_steps == 1 and not eng.last_step["stepped"]
+    bomb.forward_value = bomb.backward_value = None
+    (x, y), = batches(1, seed=9)
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))  # and training goes on
+
+
+@pytest.mark.parametrize("policy", ["fp8-hybrid", "mxfp8", "fp8-hybrid-unscaled"])
+def test_fp8_skip_names_the_cast_and_evaluation_does_not_count(policy):
+    model, bomb, eng = _bomb_net(policy)
+    (x, y), = batches(1)
+    bad = x.clone()
+    bad[3, 5] = math.inf
+    with torch.no_grad():  # an evaluation batch holding inf is not part of the next step
+        model(bad)
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))
+    assert eng.train_step(nn.functional.cross_entropy(model(bad), y)) is False
+    assert eng.last_step["nonfinite_cast"].startswith("0.")  # the first Linear's input cast
+
+
+# --- a plain backward/step fails loudly -------------------------------------------------------
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure", "fp8-hybrid", "fp16-mixed"])
+def test_plain_backward_and_step_fail_loudly(policy):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng = Engine(model, opt, policy)
+    (x, y), = batches(1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = full_state(model, eng)  # (the forward pass itself moved the FP8 amax histories)
+    with pytest.raises(RuntimeError, match="engine.backward"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="engine.backward"):
+        eng.step()
+    assert same(full_state(model, eng), before)
+    eng.zero_grad()
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))  # the engine's own way works
+
+
+def test_plain_training_under_fp32_still_works():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    Engine(model, opt, "fp32")  # nothing under the engine's care: the parameters are the model's
+    (x, y), = batches(1)
+    w = model[0].weight.detach().clone()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, w)
