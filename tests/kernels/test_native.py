@@ -169,14 +169,15 @@ def test_missing_or_failing_compiler_falls_back(monkeypatch, fresh_native):
         pytest.skip("no `false` program to stand in for a failing compiler")
     monkeypatch.setenv("CC", false)
     assert native.library() is None and "build failed" in native.status()["reason"]
-    assert not list(fresh_native.glob("*.so*")), "a failed build leaves no file behind"
+    assert not list(fresh_native.rglob("*.so*")), "a failed build leaves no file behind"
+    assert not list(fresh_native.rglob(".building-*"))
 
 
 def test_build_goes_to_the_cache_and_is_reused(fresh_native):
     if not HAVE_CC:
         pytest.skip("no C compiler")
     assert native.library() is not None
-    built = list(fresh_native.glob("fewbits_native_*.so"))
+    built = list(fresh_native.glob("native/fewbits_native_*.so"))
     assert len(built) == 1 and native.status()["path"] == str(built[0])
     mtime = built[0].stat().st_mtime_ns
     native.reset()
