@@ -50,6 +50,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("built")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEWBITS_CACHE", str(root))
+        mp.delenv("FEWBITS_NATIVE", raising=False)  # these tests are about the cache: they run anyway
         native.reset()
         lib = native.library()
         st = native.status()
@@ -77,6 +78,7 @@ def cache(tmp_path, monkeypatch, built):
     root = tmp_path / "root"
     root.mkdir()
     monkeypatch.setenv("FEWBITS_CACHE", str(root))
+    monkeypatch.delenv("FEWBITS_NATIVE", raising=False)
     monkeypatch.setenv("FEWBITS_TEST_MARKER", str(tmp_path / "marker"))
     native.reset()
     yield Cache(root, built[0], tmp_path / "marker")
