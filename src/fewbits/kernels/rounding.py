@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from ..formats import FloatFormat, IntFormat, LookupFormat, check_mode, get_format
+from . import dtypes
 from . import floatround as fr
 from . import native_round
+from .arguments import check_dense, check_generator, check_out
 from .lookupround import lookup_indices, round_lookup
 from .random import draw_seed
 
@@ -31,6 +33,7 @@ class _Wrapped:
 
 def _to_torch(x, what="x") -> _Wrapped:
     if isinstance(x, torch.Tensor):
+        check_dense(x, what)
         return _Wrapped(x, lambda t: t, True, False)
     if isinstance(x, np.ndarray):
         if x.dtype.name == "bfloat16":  # ml_dtypes
@@ -70,6 +73,7 @@ def _domain_for(fmt, dtype) -> fr.Domain | None:
 
 
 def _mode_seed(mode, fmt, generator):
+    check_generator(generator)
     check_mode(mode, fmt)
     return draw_seed(generator) if mode == "stochastic" else (0, 0)
 
@@ -81,14 +85,30 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
           generator: torch.Generator | None = None, out=None):
     """Round every element of x to the nearest value of `fmt` (see fewbits.formats.reference).
 
-    x: torch.Tensor or numpy.ndarray of float16/bfloat16/float32/float64, any shape or strides.
+    x: torch.Tensor or numpy.ndarray of float16/bfloat16/float32/float64, any shape or strides
+    (dense: sparse tensors raise TypeError).
     Returns the same type, shape and dtype (float16/bfloat16 are rounded exactly via float32, and
     the result is cast back: a value the input dtype cannot hold is rounded again by that cast).
+    float32 input to a format with values beyond float32's range (fp64, FloatFormat(11, 4)) is
+    rounded exactly and stays float32 while every result fits; a result float32 cannot hold
+    (3.4e38 rounding up to 2^128, or inf saturating to the format's max) raises ValueError
+    instead of becoming inf: round float64 input to get such values.
     mode: nearest_even | nearest_away | toward_zero | up | down | stochastic, or for codebooks
     the preset "bitsandbytes" (its NF4 rule: float32 bounds, ties to the lower code).
     overflow: saturate | inf | nan | None (the format's default: inf if it has inf, else saturate).
-    generator: torch.Generator for stochastic rounding (default: torch's global RNG).
-    out: a tensor of x's shape and dtype to write the result into (may be x itself).
+    generator: torch.Generator for stochastic rounding (default: torch's global RNG); anything
+    else (an int seed, a numpy Generator) raises TypeError.
+    out: a tensor or array of x's shape and dtype to write the result into: x itself (in place),
+    or memory x does not use. ValueError, before anything is written, for an out that partly
+    overlaps x (or views x's memory with other strides), one whose elements share memory
+    (expand()ed), and a read-only numpy array (bytes-backed, read-only mmap, non-writeable).
+
+    E8M0 against torch's and ml_dtypes' float8_e8m0fnu casts: they round ties away (fewbits'
+    nearest_away), but give 2^-126 for every float32 subnormal strictly between 2^-127 and
+    2^-126, where fewbits gives the nearest power of two: 2^-127 below 1.5 * 2^-127 (and at that
+    tie except under nearest_away). Elsewhere nearest_away with overflow="torch" equals both bit
+    for bit, except that ml_dtypes maps 0 to NaN (torch and fewbits: 2^-127). No fewbits mode
+    reproduces their subnormal rule; x.to(torch.float8_e8m0fnu) does.
     """
     fmt = get_format(fmt)
     wx = _to_torch(x)
@@ -97,16 +117,28 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     check_mode(mode, fmt)
     overflow = fmt.check_overflow(overflow, t.device.type)
     if out is None:
-        return wx.restore(_round_tensor(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator)))
+        return wx.restore(_round_checked(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator)))
+    check_out(x, out)  # before wrapping: a read-only numpy out must never reach torch.from_numpy
     wo = _to_torch(out, "out")
     out_t = wo.tensor
     if out_t.shape != t.shape or out_t.dtype != t.dtype or out_t.device != t.device:
         raise ValueError(f"out has shape {tuple(out_t.shape)}, dtype {out_t.dtype}, device {out_t.device}; "
                          f"expected {tuple(t.shape)}, {t.dtype}, {t.device}")
-    _round_tensor(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator), out_t)
+    _round_checked(t, fmt, mode, overflow, _mode_seed(mode, fmt, generator), out_t)
     if not wo.shares:  # the array could only be wrapped by copying it: write the result back
         np.copyto(out, wo.restore(out_t))
     return out
+
+
+def _round_checked(t, fmt, mode, overflow, seed, out=None):
+    """_round_tensor, except for float32 input to a format with values beyond float32's range
+    (fp64, FloatFormat(11, 4)): rounded in float64 (as it is anyway), and a result float32 cannot
+    hold raises ValueError instead of becoming inf in the cast back."""
+    if t.dtype != torch.float32 or not dtypes.beyond_float32(fmt):
+        return _round_tensor(t, fmt, mode, overflow, seed, out)
+    r64 = _round_tensor(t.to(torch.float64), fmt, mode, overflow, seed)
+    dtypes.check_fits_float32(r64, fmt)
+    return r64.to(torch.float32) if out is None else out.copy_(r64)
 
 
 def _round_tensor(t, fmt, mode, overflow, seed, out=None, kind=None):
@@ -244,44 +276,60 @@ def _decode_formula(c: torch.Tensor, fmt) -> torch.Tensor:
     return torch.where(s, -mag, mag)
 
 
-def _value_dtype(fmt) -> torch.dtype:
-    if isinstance(fmt, FloatFormat):
-        return torch.float32 if fr.fits(fmt, fr.F32) or fr.covers(fmt, fr.F32) else torch.float64
-    if isinstance(fmt, IntFormat):
-        return torch.float32 if fmt.bits <= 24 else torch.float64
-    exact32 = all(float(np.float32(v)) == v for v in fmt.table if abs(v) < 3e38)
-    return torch.float32 if exact32 and max(abs(v) for v in fmt.table) < 3e38 else torch.float64
+def decode(codes, fmt, dtype=None):
+    """Values of bit patterns `codes` (any integer dtype, any shape) in fmt; numpy in, numpy out.
 
-
-def decode(codes, fmt, dtype: torch.dtype | None = None):
-    """Values of bit patterns `codes` (any integer dtype, any shape) in fmt.
-
-    dtype: float32 by default (float64 for formats float32 cannot hold exactly).
-    Codes out of range raise ValueError.
+    dtype: the values' floating dtype: a torch dtype, its name ("float32", "bfloat16") or a numpy
+    float dtype. Default: float32 where it holds every value of fmt exactly, else float64 (fp64,
+    e8m30, e11m40, any format with values beyond float32's range or precision). A dtype that
+    cannot hold every value of fmt exactly raises ValueError (float64, in which values are
+    computed, is always accepted); integer and bool dtypes raise TypeError. numpy codes decode
+    to float16, float32 or float64 (numpy has no other float dtype).
+    Codes out of range raise ValueError; codes of 64-bit formats are bit patterns (int64, uint64).
     """
     fmt = get_format(fmt)
-    t, restore = (codes, lambda r: r) if isinstance(codes, torch.Tensor) else _codes_numpy(codes)
+    want = dtypes.value_dtype(fmt) if dtype is None else dtypes.checked_value_dtype(dtype, fmt)
+    if isinstance(codes, torch.Tensor):
+        check_dense(codes, "codes")
+        t, restore = codes, (lambda r: r)
+    else:
+        if isinstance(codes, np.ndarray) and want not in dtypes.NUMPY_VALUE_DTYPES:
+            raise TypeError(f"numpy codes decode to float16, float32 or float64, not {want}; pass torch codes")
+        t, restore = _codes_numpy(codes)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"codes must be integers, got dtype {t.dtype}")
-    dtype = dtype or _value_dtype(fmt)
+    unsigned64 = t.dtype == torch.uint64 or (isinstance(codes, np.ndarray) and codes.dtype == np.uint64)
+    c = t.view(torch.int64) if t.dtype == torch.uint64 else t.to(torch.int64)  # uint64: the bit patterns
+    if fmt.bits == 64 and fmt == get_format("fp64"):
+        return restore(c.view(torch.float64).to(want))
     n_codes = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
-    c = t.to(torch.int64)
-    if fmt.bits == 64:
-        return restore(c.view(torch.float64).to(dtype))
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_codes):
-        raise ValueError(f"codes range {int(c.min())}..{int(c.max())} is outside 0..{n_codes - 1} of {fmt.name}")
+    if fmt.bits < 64 and c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_codes):
+        lo, hi = _code_range(c, unsigned64)
+        raise ValueError(f"codes range {lo}..{hi} is outside 0..{n_codes - 1} of {fmt.name}")
     if fmt.bits == 32 and isinstance(fmt, FloatFormat) and fmt == get_format("fp32"):
-        return restore(c.to(torch.int32).view(torch.float32).to(dtype))
+        return restore(c.to(torch.int32).view(torch.float32).to(want))
     if fmt.bits <= 16:
-        table = _decode_table(fmt, str(c.device)).to(dtype)
+        table = _decode_table(fmt, str(c.device)).to(want)
         return restore(table[c])
-    return restore(_decode_formula(c, fmt).to(dtype))
+    return restore(_decode_formula(c, fmt).to(want))
+
+
+def _code_range(c: torch.Tensor, unsigned64: bool) -> tuple[int, int]:
+    """(min, max) of int64 codes; of uint64 codes read as their bit patterns (>= 2^63: negative)."""
+    neg = c < 0
+    if not unsigned64 or not bool(neg.any()):
+        return int(c.min()), int(c.max())
+    lo = int(c[~neg].min()) if bool((~neg).any()) else int(c[neg].min()) + 2 ** 64
+    return lo, int(c[neg].max()) + 2 ** 64
 
 
 def _codes_numpy(codes):
     if isinstance(codes, np.ndarray):
         if codes.dtype.kind not in "iu":
             raise TypeError(f"codes must be integers, got dtype {codes.dtype}")
-        arr = codes.astype(np.int64) if codes.dtype in (np.uint32, np.uint64, np.uint16) else codes
+        if codes.dtype == np.uint64:
+            arr = codes.view(np.int64)  # the bit patterns; decode reads them back as unsigned
+        else:
+            arr = codes.astype(np.int64) if codes.dtype in (np.uint32, np.uint16) else codes
         return torch.from_numpy(np.ascontiguousarray(arr)), lambda r: r.numpy()
     raise TypeError(f"codes must be a torch.Tensor or numpy.ndarray, got {type(codes).__name__}")
