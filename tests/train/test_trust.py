@@ -33,7 +33,8 @@ def same(a, b) -> bool:
     """Bit-identical nested states (tensors by dtype, shape and bytes; NaN equal to NaN)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+                and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -215,8 +216,14 @@ class _Bomb(nn.Module):
             h[0, 0] = self.forward_value
         if self.backward_value is not None and h.requires_grad:
             value = self.backward_value
-            h.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(value, dtype=g.dtype)))
+            h.register_hook(lambda g: _put_first(g, value))
         return h
+
+
+def _put_first(g, value):
+    g = g.clone()
+    g[0, 0] = value
+    return g
 
 
 def _bomb_net(policy):
@@ -292,3 +299,42 @@ def test_plain_training_under_fp32_still_works():
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     assert not torch.equal(model[0].weight, w)
+
+
+# --- the DDP comm hook is a saturating cast of gradients too ----------------------------------
+@pytest.mark.parametrize("fmt", ["fp8_e5m2", "fp8_e4m3", "int8", "bf16"])
+def test_compressed_comm_sends_a_nonfinite_bucket_as_nonfinite(fmt):
+    from fewbits.train.distributed import CompressedComm
+    st = CompressedComm(fmt)
+    g = torch.randn(300)
+    g[7] = math.inf
+    payload, sent = st.compress(g)
+    received = st.decompress(payload, g.numel())
+    assert not torch.isfinite(received).all() and torch.equal(received.isnan(), sent.isnan())
+
+
+def test_ddp_hook_skips_an_inf_gradient_step_and_keeps_no_residual(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fewbits.train.distributed import CompressedComm, compressed_allreduce_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+        ddp = DDP(model)
+        state = CompressedComm("fp8_e5m2", error_feedback=True)
+        ddp.register_comm_hook(state, compressed_allreduce_hook)
+        x = torch.randn(16, 8)
+        w = model.weight.detach().clone()
+        out = ddp(x)
+        out.register_hook(lambda g: _put_first(g, math.inf))
+        assert engine.train_step(out.pow(2).mean()) is False  # (sent saturated to e5m2's max, it stepped)
+        assert torch.equal(model.weight.detach(), w)
+        assert all(torch.isfinite(r).all() for r in state.residuals.values())
+        assert engine.train_step(ddp(x).pow(2).mean())
+        assert torch.isfinite(model.weight).all() and not torch.equal(model.weight.detach(), w)
+    finally:
+        dist.destroy_process_group()

@@ -30,8 +30,8 @@ import copy
 import hashlib
 import io
 import os
+import secrets
 import struct
-import tempfile
 
 import torch
 
@@ -341,7 +341,8 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: dict | None = None) 
     digest.update(payload)
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".fewbits-tmp", dir=directory)
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.fewbits-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # a normal file's mode (umask)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + fields + digest.digest())

@@ -13,7 +13,9 @@ Each bucket is rounded to the format (formats of 8 bits or fewer after a per-buc
 scale that puts its amax at the top of the format's range), packed into bytes (fewbits codes,
 or the bf16/fp16 bit patterns), all-gathered, decoded and averaged in fp32 on every rank in
 rank order — so every rank ends with the same averaged gradient. Error feedback keeps what the
-rounding dropped on this rank and adds it to the next step's bucket.
+rounding dropped on this rank and adds it to the next step's bucket. A bucket holding inf or NaN
+is sent as NaN (saturation would have made it finite): every rank's average is NaN and the Engine
+skips the step on every rank; error feedback keeps nothing of it.
 
 FSDP2: fully_shard_with_policy(model, policy) shards the model with
 torch.distributed.fsdp.fully_shard and the MixedPrecisionPolicy that matches the policy, and
@@ -24,6 +26,8 @@ returns the policy to build the Engine with (see its docstring):
 (the optimizer is built on model.parameters() after sharding).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -61,9 +65,14 @@ class CompressedComm:
         if dtype is not None:
             q = g.to(dtype)
             return q.view(torch.uint8).reshape(-1), q.float()
-        scale = pow2_scale(float(g.abs().amax()) if g.numel() else 0.0, self.fmt.max)
+        amax = float(g.abs().amax()) if g.numel() else 0.0
+        if not math.isfinite(amax):  # a NaN scale: the bucket decodes to NaN on every rank
+            codes = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+            header = torch.tensor([math.nan], dtype=torch.float32).view(torch.uint8).to(g.device)
+            return torch.cat([header, codes.reshape(-1)]), torch.full_like(g, math.nan)
+        scale = pow2_scale(amax, self.fmt.max)
         codes = encode(g * scale, self.fmt, overflow="saturate")
-        header = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
+        header = torch.tensor([scale], dtype=torch.float32).view(torch.uint8).to(g.device)
         return torch.cat([header, codes.reshape(-1)]), decode(codes, self.fmt, dtype=torch.float32) / scale
 
     def decompress(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
@@ -82,8 +91,8 @@ def compressed_allreduce_hook(state: CompressedComm, bucket):  # DDP checks anno
     if state.error_feedback and key in state.residuals:
         g = g + state.residuals[key]
     payload, sent_values = state.compress(g)
-    if state.error_feedback:
-        state.residuals[key] = g - sent_values
+    if state.error_feedback:  # nothing of a non-finite bucket (its step is skipped) carries over
+        state.residuals[key] = torch.nan_to_num(g - sent_values, nan=0.0, posinf=0.0, neginf=0.0)
     world = dist.get_world_size(state.process_group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(gathered, payload, group=state.process_group)

@@ -251,7 +251,8 @@ class Telemetry:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore state_dict()'s output; ValueError (before any change) if it is malformed."""
-        names = lambda d, ok: isinstance(d, dict) and all(isinstance(k, str) and ok(v) for k, v in d.items())  # noqa: E731
+        def names(d, ok):
+            return isinstance(d, dict) and all(isinstance(k, str) and ok(v) for k, v in d.items())
         count = lambda v: isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool))  # noqa: E731
         if not (isinstance(state, dict) and set(state) == {"rows", "hist", "hist_zeros", "hist_format"}
                 and isinstance(state["rows"], list) and all(isinstance(r, dict) for r in state["rows"])
