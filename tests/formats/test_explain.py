@@ -185,3 +185,23 @@ def test_exact_decimal_and_fields():
     assert exact_decimal(math.inf) == "inf" and exact_decimal(math.nan) == "nan"
     assert Fraction(exact_decimal(0.1)) == Fraction(0.1)
     assert code_fields(fb.get_format("fp4_e2m1"), 0b1011)["bits"] == "1|01|1"
+
+
+@pytest.mark.parametrize("x", [10 ** 400, -10 ** 400, Fraction(10 ** 400, 3), "1e400", "-1e999"], ids=lambda v: str(v)[:12])
+def test_a_number_beyond_float64_is_a_clear_value_error(x):
+    with pytest.raises(ValueError, match="beyond float64's range"):
+        explain(x, ["fp8_e4m3"])
+
+
+def test_decimal_beyond_float64_is_refused_too():
+    from decimal import Decimal
+
+    with pytest.raises(ValueError, match="beyond float64's range"):
+        explain(Decimal("1e400"), ["fp8_e4m3"])  # float() would give inf in silence
+    assert one(Decimal("-Infinity"), "fp8_e4m3")["value"] == -448.0
+
+
+@pytest.mark.parametrize("x", [math.inf, "inf", "-Infinity", 10 ** 300, Fraction(1, 3)], ids=str)
+def test_infinity_and_big_finite_numbers_still_work(x):
+    r = one(x, "fp8_e4m3")
+    assert abs(r["value"]) == (448.0 if x != Fraction(1, 3) else 0.34375)

@@ -310,3 +310,217 @@ def test_special_values_pass_through():
     assert torch.signbit(y[5]) and not torch.signbit(y[4])
     assert fb.round(x[2:], "fp8_e4m3").tolist() == [448.0, -448.0, 0.0, -0.0]
     assert torch.signbit(fb.round(x, "fp8_e4m3fnuz")[4:]).tolist() == [False, False]  # fnuz: no -0
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12, item 6: decode's dtype, and clear errors instead of internal ones
+# ---------------------------------------------------------------------------------------------
+from fractions import Fraction  # noqa: E402
+
+from fewbits.kernels import dtypes as value_dtypes  # noqa: E402
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+TORCH_FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+
+
+def test_decode_of_formats_wider_than_float32_gives_float64():
+    codes = fb.encode(torch.tensor([1e300, -2.5e-310, 1 / 3], dtype=torch.float64), "fp64")
+    v = fb.decode(codes, "fp64")
+    assert v.dtype == torch.float64 and v.tolist() == [1e300, -2.5e-310, 1 / 3]
+    for name, x in (("e8m30", 1 + 2.0 ** -30), ("e11m40", (1 + 2.0 ** -40) * 2.0 ** 1000), ("e11m4", 1.0625 * 2.0 ** 200)):
+        v = fb.decode(fb.encode(torch.tensor([x], dtype=torch.float64), name), name)
+        assert v.dtype == torch.float64 and v.item() == x, name
+    for name in ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "e8m0", "nf4", "int8", "fp4_e2m1"):
+        assert fb.decode(torch.tensor([1]), name).dtype == torch.float32, name
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.int64, torch.uint8, torch.bool, torch.complex64, "int8", "bool"],
+                         ids=str)
+def test_decode_refuses_non_float_dtypes(bad):
+    with pytest.raises(TypeError, match="not a floating dtype"):
+        fb.decode(torch.tensor([126]), FMT, dtype=bad)  # 448 wrapped to -64 in int8
+
+
+@pytest.mark.parametrize("bad", ["nope", "randn", 3, object()], ids=repr)
+def test_decode_refuses_what_is_no_dtype(bad):
+    with pytest.raises(TypeError, match="dtype"):
+        fb.decode(torch.tensor([126]), FMT, dtype=bad)
+
+
+def test_decode_dtype_by_name_or_numpy_dtype():
+    codes = torch.tensor([126, 1, 0x80])
+    want = fb.decode(codes, FMT, dtype=torch.float32)
+    for spelling in ("float32", "torch.float32", "float", np.float32, np.dtype("float32")):
+        got = fb.decode(codes, FMT, dtype=spelling)
+        assert got.dtype == torch.float32 and torch.equal(got, want), spelling
+    assert fb.decode(codes, FMT, dtype="bfloat16").dtype == torch.bfloat16
+    assert fb.decode(codes, FMT, dtype=ml_dtypes.bfloat16).dtype == torch.bfloat16
+    got = fb.decode(codes.numpy(), FMT, dtype="float16")
+    assert isinstance(got, np.ndarray) and got.dtype == np.float16 and got.tolist()[0] == 448.0
+    with pytest.raises(TypeError, match="numpy codes"):
+        fb.decode(codes.numpy(), FMT, dtype=torch.bfloat16)
+
+
+def test_decode_refuses_a_dtype_too_narrow_for_the_format():
+    with pytest.raises(ValueError, match="cannot hold every value of fp64"):
+        fb.decode(torch.tensor([0]), "fp64", dtype=torch.float32)
+    with pytest.raises(ValueError, match="cannot hold every value of bf16"):
+        fb.decode(torch.tensor([0x7F7F]), "bf16", dtype=torch.float16)
+    with pytest.raises(ValueError, match="cannot hold"):
+        fb.decode(torch.tensor([0x7C]), "fp8_e5m2", dtype=torch.float8_e4m3fn)  # inf
+    # exact ones are accepted, and float64 always
+    assert fb.decode(torch.tensor([0x7E]), FMT, dtype=torch.float8_e4m3fn).float().item() == 448.0
+    assert fb.decode(torch.tensor([0x7E]), FMT, dtype=torch.float16).item() == 448.0
+    assert fb.decode(torch.tensor([0x7FFF]), "e3m56", dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", TORCH_FLOATS, ids=str)
+def test_holds_agrees_with_the_casts_of_every_value(dtype):
+    """The layout rule deciding decode's dtypes, against torch's own cast of every value."""
+    for fmt in fb.list_formats() + [fb.get_format(n) for n in ("e8m3fn", "ue5m3", "e3m2nosub", "int16")]:
+        if fmt.bits > 16:
+            continue
+        v = fb.decode(torch.arange(fmt.num_values if isinstance(fmt, fb.LookupFormat) else 2 ** fmt.bits),
+                      fmt, dtype=torch.float64)
+        back = v.to(dtype).to(torch.float64)
+        exact = bool((((back == v) & (torch.signbit(back) == torch.signbit(v))) | (v.isnan() & back.isnan())).all())
+        assert value_dtypes.holds(dtype, fmt) == exact, (fmt.name, dtype)
+
+
+def test_wide_formats_are_held_as_the_layouts_say():
+    assert value_dtypes.holds(torch.float64, fb.get_format("fp32"))
+    assert value_dtypes.holds(torch.float32, fb.get_format("tf32"))
+    assert value_dtypes.holds(torch.float32, fb.get_format("int25"))  # -2^24 .. 2^24 - 1
+    assert not value_dtypes.holds(torch.float32, fb.get_format("uint25"))
+    for name in ("fp64", "e8m30", "e11m40", "e8m23fn"):  # e8m23fn: fp32's layout, larger max
+        assert not value_dtypes.holds(torch.float32, fb.get_format(name)), name
+
+
+@pytest.mark.parametrize("bad", [0, 1234, np.random.default_rng(0), np.random.RandomState(0), "seed"], ids=repr)
+def test_generator_must_be_a_torch_generator(bad):
+    x = sample()
+    out = torch.full_like(x, 7.0)
+    for mode in ("stochastic", "nearest_even"):
+        with pytest.raises(TypeError, match="torch.Generator or None"):
+            fb.round(x, FMT, mode, generator=bad, out=out)
+        with pytest.raises(TypeError, match="torch.Generator or None"):
+            fb.encode(x, FMT, mode, generator=bad)
+    assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
+def test_sparse_tensors_are_type_errors(to_sparse):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: sparse CSR support is in beta
+        s = to_sparse(sample((4, 4)))
+        codes = to_sparse(torch.ones(4, 4, dtype=torch.int64))
+    for fn in (fb.round, fb.encode):
+        with pytest.raises(TypeError, match="sparse.*to_dense"):
+            fn(s, FMT)
+    with pytest.raises(TypeError, match="sparse"):
+        fb.decode(codes, FMT)
+    with pytest.raises(TypeError, match="out is a sparse"):
+        fb.round(sample((4, 4)), FMT, out=s)
+
+
+def test_uint64_codes_above_2_63_are_reported_as_they_are():
+    big = np.array([2 ** 63 + 5, 3], dtype=np.uint64)
+    with pytest.raises(ValueError, match=f"codes range 3..{2 ** 63 + 5} is outside 0..255"):
+        fb.decode(big, FMT)
+    with pytest.raises(ValueError, match=f"codes range {2 ** 64 - 1}..{2 ** 64 - 1} is outside"):
+        fb.decode(np.array([2 ** 64 - 1], dtype=np.uint64), FMT)
+    with pytest.raises(ValueError, match=f"codes range 3..{2 ** 63 + 5} is outside"):
+        fb.decode(torch.from_numpy(big.view(np.int64)).view(torch.uint64), FMT)
+    assert fb.decode(np.array([0x7E, 1], dtype=np.uint64), FMT).tolist() == [448.0, 2.0 ** -9]
+    # 64-bit formats read uint64 codes as their bit patterns
+    v = fb.decode(np.array([0x8000000000000000, 0x3FF0000000000000], dtype=np.uint64), "fp64")
+    assert v.dtype == np.float64 and v.tolist() == [0.0, 1.0] and np.signbit(v[0])
+
+
+def test_a_group_longer_than_any_row_is_refused_before_allocating():
+    scheme = fb.QuantScheme("int4", "group", group_size=10 ** 9)
+    with pytest.raises(ValueError, match="group_size 1000000000 is longer than the rows"):
+        fb.quantize(torch.randn(8, 64), scheme)  # was: an attempt to allocate 32 GB
+    with pytest.raises(ValueError, match="group_size"):
+        fb.quantize(torch.randn(8, 64), fb.QuantScheme("int8", "group", group_size=2 ** 20))
+    # groups somewhat longer than short rows stay allowed (a preset's 128 on a 40-wide layer)
+    q = fb.quantize(torch.randn(6, 40), "int4")
+    assert q.dequantize().shape == (6, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12, item 10: formats beyond float32's range given float32 input; E8M0 against torch
+# ---------------------------------------------------------------------------------------------
+def test_float32_results_beyond_float32_are_refused_not_inf():
+    e11m4 = fb.FloatFormat(11, 4)
+    x = torch.tensor([3.35e38, 1.0], dtype=torch.float32)  # 3.35e38 rounds to 2^128
+    for ovf in ("saturate", "inf", None):
+        with pytest.raises(ValueError, match="beyond float32's range"):
+            fb.round(x, e11m4, overflow=ovf)
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        fb.round(x.numpy(), e11m4)
+    out = torch.full_like(x, 7.0)
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        fb.round(x, e11m4, out=out)
+    assert bool((out == 7.0).all())
+    assert fb.round(x.double(), e11m4, overflow="saturate").tolist() == [2.0 ** 128, 1.0]
+    inf = torch.tensor([math.inf, -math.inf])
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        fb.round(inf, "fp64", overflow="saturate")  # fp64's max is no float32
+    with pytest.raises(ValueError, match="beyond float32's range"):  # no inf: inf saturates in every mode
+        fb.round(inf, fb.FloatFormat(9, 4, specials="none"), mode="toward_zero")
+    assert fb.round(inf, e11m4, mode="toward_zero").tolist() == [math.inf, -math.inf]  # inf is a value of e11m4
+
+
+def test_float32_results_within_float32_stay_float32_and_exact():
+    e11m4 = fb.FloatFormat(11, 4)
+    x = sample((64,)) * 1e30
+    x = torch.cat([x, torch.tensor([3.2e38, -1e-45, math.inf, math.nan])])
+    for mode in fb.MODES:
+        y = fb.round(x, e11m4, mode, generator=generator(5))
+        want = fb.round(x.double(), e11m4, mode, generator=generator(5))
+        assert y.dtype == torch.float32 and torch.equal(y.double().nan_to_num(7.0), want.nan_to_num(7.0)), mode
+        out = torch.empty_like(x)
+        fb.round(x, e11m4, mode, generator=generator(5), out=out)
+        assert torch.equal(out.nan_to_num(7.0), y.nan_to_num(7.0))
+    assert torch.equal(fb.round(x, "fp64").nan_to_num(7.0), x.nan_to_num(7.0))  # identity, float32
+
+
+def _e8m0_subnormals():
+    """float32 values from 2^-127 to 2^-126: the subnormals in between, ties and ends."""
+    inner = torch.arange(0x00400000, 0x00800000 + 1, 0x1000, dtype=torch.int32)
+    edges = torch.tensor([0x00400000, 0x00400001, 0x005FFFFF, 0x00600000, 0x00600001, 0x007FFFFF], dtype=torch.int32)
+    return torch.cat([inner, edges]).view(torch.float32)
+
+
+def test_e8m0_float32_subnormals_against_torch_and_ml_dtypes():
+    """Documented in fb.round: torch and ml_dtypes give 2^-126 for every float32 strictly between
+    2^-127 and 2^-126; fewbits gives the nearest power of two, also under nearest_away."""
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch has no float8_e8m0fnu")
+    lo, hi = 2.0 ** -127, 2.0 ** -126
+    x = _e8m0_subnormals()
+    inside = (x > lo) & (x < hi)
+    torch_v = x.to(torch.float8_e8m0fnu).float()
+    ml_v = torch.from_numpy(x.numpy().astype(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    assert torch.equal(torch_v, ml_v)
+    assert bool((torch_v[inside] == hi).all())
+    tie = 1.5 * lo
+    for mode in ("nearest_even", "nearest_away"):
+        ours = fb.round(x, "e8m0", mode, overflow="torch")
+        nearest = torch.where(x < tie, lo, hi)
+        if mode == "nearest_even":
+            nearest = torch.where(x == tie, lo, nearest)  # the tie goes to the even code (2^-127)
+        assert torch.equal(ours, nearest.float()), mode
+        differ = ours != torch_v
+        assert bool(inside[differ].all()) and bool(differ[(x > lo) & (x < tie)].all()), mode
+    # elsewhere nearest_away with overflow="torch" equals torch (ml_dtypes too, but for 0 -> NaN)
+    other = torch.tensor([0x3FC00000, 0x00C00000, 0x00FFFFFF, 0x7F400000, 0x7F7FFFFF, 0x7F800000, 0x00000001,
+                          0x003FFFFF, 0x00000000], dtype=torch.int32).view(torch.float32)
+    other = torch.cat([other, sample((256,)).abs() * 1e3])
+    ours = fb.round(other, "e8m0", "nearest_away", overflow="torch")
+    theirs = other.to(torch.float8_e8m0fnu).float()
+    assert torch.equal(ours.nan_to_num(-1.0), theirs.nan_to_num(-1.0))

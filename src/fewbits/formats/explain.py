@@ -12,6 +12,7 @@ them (strict JSON has no literal for them).
 from __future__ import annotations
 
 import math
+import sys
 from decimal import Decimal
 from fractions import Fraction
 
@@ -112,11 +113,42 @@ def _hex(fmt: Format, code: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # explain
 # ---------------------------------------------------------------------------------------------
+def as_float64(x) -> float:
+    """x as a Python float; ValueError for a finite number float64 cannot hold (float() would
+    raise a bare OverflowError for big ints and Fractions, and give inf for Decimals and strings)."""
+    try:
+        v = float(x)
+    except OverflowError:
+        v = math.inf
+    if math.isinf(v) and not _is_infinite(x):
+        raise ValueError(f"x = {_short(x)} is beyond float64's range (largest finite value "
+                         f"{sys.float_info.max:.6g}); explain reads x as a float64: pass math.inf to see "
+                         "what infinity becomes in each format")
+    return v
+
+
+def _is_infinite(x) -> bool:
+    if isinstance(x, (int, Fraction)):
+        return False
+    if isinstance(x, Decimal):
+        return x.is_infinite()
+    if isinstance(x, str):
+        return x.strip().lower().lstrip("+-") in ("inf", "infinity")
+    return math.isinf(x)
+
+
+def _short(x) -> str:
+    s = str(x)
+    return s if len(s) <= 40 else f"{s[:12]}...{s[-6:]} ({len(s)} characters)"
+
+
 def explain(x: float, formats=None, modes=("nearest_even",), overflow: str | None = None) -> list[dict]:
     """What x becomes in each format under each rounding mode, exactly.
 
     x is read as a Python float (float64): a decimal such as 0.3952 is first the nearest float64,
-    and errors are measured from that float64. formats: names or Format objects (default: every
+    and errors are measured from that float64. A finite number beyond float64's range (10**400,
+    Fraction(10**400), Decimal("1e400"), "1e400") raises ValueError rather than becoming inf;
+    pass math.inf to see what infinity becomes. formats: names or Format objects (default: every
     registered format); modes: rounding modes (fewbits.MODES); overflow: an overflow policy or
     preset for every format (default: each format's own default; a policy a format cannot take,
     such as 'inf' for fp8_e4m3, raises ValueError).
@@ -141,7 +173,7 @@ def explain(x: float, formats=None, modes=("nearest_even",), overflow: str | Non
       alternative: for 'stochastic', the other outcome as {value, exact_value, code, hex, bits,
       probability}; None otherwise or when x is exact.
     """
-    x = float(x)
+    x = as_float64(x)
     fmts = list_formats() if formats is None else [get_format(f) for f in formats]
     modes = [modes] if isinstance(modes, str) else list(modes)
     if not modes:

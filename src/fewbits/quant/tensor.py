@@ -31,9 +31,25 @@ STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_
 # ---------------------------------------------------------------------------------------------
 # the matrix view of QuantScheme's layout rule
 # ---------------------------------------------------------------------------------------------
+_MAX_PADDING = 16  # how many times x's size a zero-padded group view may be (beyond 2^20 values)
+
+
+def check_padding(scheme: QuantScheme, shape):
+    """Refuse, before anything is allocated, a group longer than a row when padding the rows to
+    it would make the group view many times larger than the tensor (group_size=10**9 on an 8x64
+    tensor: 8e9 values). A group somewhat longer than a short row (128 on 64) stays allowed."""
+    rows, cols, pcols, _ = scheme.layout(shape)
+    if pcols > cols and rows * pcols > max(_MAX_PADDING * rows * cols, 1 << 20):
+        raise ValueError(f"group_size {scheme.group_size} is longer than the rows of this {tuple(shape)} tensor "
+                         f"({cols} values each): padding each row to one group would make {rows * pcols} values, "
+                         f"more than {_MAX_PADDING}x the tensor; use group_size <= {cols}, or "
+                         "granularity='channel' for one scale per row")
+
+
 def to_groups(x: torch.Tensor, scheme: QuantScheme):
     """float32 group view [rows, groups, group_size] (zero-padded) and the mask of real entries
     (None when nothing is padded)."""
+    check_padding(scheme, x.shape)
     rows, cols, pcols, groups = scheme.layout(x.shape)
     g = scheme.granularity
     if g == "tensor":
