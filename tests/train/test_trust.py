@@ -111,6 +111,7 @@ def _set_optimizer_state(state, value):
     (lambda s: s["model"].pop("2.bias"), "missing \\['2.bias'\\]"),
     (lambda s: _set_optimizer_state(s, torch.zeros(7, 7)), "exp_avg"),
     (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), "group 0"),
+    (lambda s: s["optimizer"]["param_groups"][0].pop("lr"), "lacks the settings \\['lr'\\]"),
     (lambda s: s.__setitem__("optimizer_kind", "torch.optim.sgd.SGD"), "optimizer"),
     (lambda s: s["scaler"].__setitem__("scale", "big"), "loss scaler"),
     (lambda s: s["generators"].__setitem__("cast", torch.zeros(3, dtype=torch.uint8)), "generator"),
@@ -338,3 +339,14 @@ def test_ddp_hook_skips_an_inf_gradient_step_and_keeps_no_residual(tmp_path):
         assert torch.isfinite(model.weight).all() and not torch.equal(model.weight.detach(), w)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("opt", [lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+                                 lambda p, lr: torch.optim.Adafactor(p, lr=lr)])
+def test_the_checks_accept_other_optimizers_states(opt, tmp_path):
+    """SGD's momentum buffers and Adafactor's factored (row, column) states pass the shape checks."""
+    model, eng = _trained("bf16-mixed", opt=opt)
+    save_checkpoint(eng, tmp_path / "ck.pt")
+    model2, eng2 = make("bf16-mixed", opt=opt)
+    load_checkpoint(eng2, tmp_path / "ck.pt")
+    assert same(full_state(model2, eng2), full_state(model, eng))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import io
 import os
 import secrets
@@ -218,6 +219,7 @@ def _check_optimizer(engine, saved, packed, fail) -> None:
         ids += g["params"]
     if len(set(ids)) != len(ids):
         fail("optimizer parameter groups list a parameter twice")
+    _check_group_settings(engine.optimizer, groups, fail)
     params = dict(zip(ids, [p for lg in live_groups for p in lg["params"]]))
     shapes = _step_shapes(engine)
     states = saved["state"]
@@ -250,6 +252,29 @@ def _check_optimizer(engine, saved, packed, fail) -> None:
             problem = check_packed_dict(d, engine.states.fmt_name, shapes[id(params[idx])])
             if problem is not None:
                 fail(f"packed optimizer state {k!r} of parameter {idx}: {problem}")
+
+
+def _check_group_settings(optimizer, groups: list, fail) -> None:
+    """Every setting the optimizer's groups have (lr, betas, ...) must come back from the saved
+    groups, once the optimizer class has filled in the defaults of settings it added later (its
+    __setstate__): tried on a scratch optimizer of the same class, when it can be built from its
+    defaults alone."""
+    live = optimizer.param_groups
+    scratch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1) for _ in g["params"]]}
+                      for g in live]
+    try:
+        accepted = inspect.signature(type(optimizer)).parameters
+        scratch = type(optimizer)(scratch_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    except Exception:  # noqa: BLE001 - an optimizer class with arguments of its own: no trial
+        return
+    try:
+        scratch.load_state_dict({"state": {}, "param_groups": copy.deepcopy(groups)})
+    except Exception as exc:  # noqa: BLE001 - what the optimizer says of the saved groups
+        fail(f"optimizer parameter groups: {type(exc).__name__}: {exc}")
+    for i, (g, lg) in enumerate(zip(scratch.param_groups, live)):
+        lacking = sorted(str(k) for k in lg if k not in g)
+        if lacking:
+            fail(f"optimizer parameter group {i} lacks the settings {lacking[:_LISTED]}")
 
 
 def _check_rest(engine, state, fail) -> None:
