@@ -162,3 +162,103 @@ def test_as_a_process():
     assert bad.returncode == 2 and bad.stdout == ""
     assert "unknown format 'e4m4x'" in bad.stderr and "did you mean" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# --- issue 12, item 7: no tracebacks, real paths, outputs checked before the work -----------
+def _no_work(monkeypatch, module, name):
+    """Make `module.name` fail loudly if called: the command must stop before it."""
+    def called(*a, **k):
+        raise AssertionError(f"{name} ran although the arguments were bad")
+    monkeypatch.setattr(module, name, called)
+
+
+@pytest.mark.parametrize("device, cuda, available, message", [
+    ("tpu", None, False, "unknown device 'tpu'"),
+    ("xpu", None, False, "run on cpu or cuda, not xpu"),
+    ("cuda", None, False, "was built without CUDA"),
+    ("cuda", "12.4", False, "no CUDA device"),
+])
+def test_bench_bad_device_is_one_line_exit_2(capsys, monkeypatch, device, cuda, available, message):
+    import torch
+
+    import fewbits.hardware as hw
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    _no_work(monkeypatch, hw, "measure_bandwidth")
+    code, out, err = run(capsys, "bench", "--device", device, "--budget", "0.01", "--buffer-mb", "1")
+    assert code == 2 and out == ""
+    assert err.startswith("fewbits bench: error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_plot_without_extension_reports_the_file_written(capsys, tmp_path):
+    target = tmp_path / "DIR"
+    target.mkdir()
+    code, out, _ = run(capsys, "formats", "e4m3", "--plot", str(target))
+    assert code == 0
+    assert (tmp_path / "DIR.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {target}.png" in out
+
+
+@pytest.mark.parametrize("plot, message, exit_code", [
+    ("{dir}/missing/x.png", "does not exist", 1),
+    ("{dir}/", "names a directory", 1),
+    ("{dir}/isdir.png", "is a directory", 1),
+    ("{dir}/x.v2", "cannot write .v2 files", 2),
+])
+def test_bad_plot_paths_fail_before_the_work(capsys, monkeypatch, tmp_path, plot, message, exit_code):
+    import fewbits.formats.explain as ex
+    from fewbits import cli
+
+    (tmp_path / "isdir.png").mkdir()
+    _no_work(monkeypatch, cli, "explain")
+    _no_work(monkeypatch, ex, "explain")
+    code, out, err = run(capsys, "explain", "1", "--plot", plot.format(dir=tmp_path))
+    assert code == exit_code and out == ""
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_quantize_out_is_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    from fewbits.study import quantization as sq
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _no_work(monkeypatch, sq, "get_subject")
+    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile), "--quiet")
+    assert code == 1 and out == "" and "exists and is not a directory" in err
+    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile / "sub"), "--quiet")
+    assert code == 1 and "is a file, not a directory" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: a directory nobody can write in")
+def test_study_out_that_cannot_be_written_fails_before_the_parts(capsys, monkeypatch):
+    from fewbits.study import run as study_run
+
+    _no_work(monkeypatch, study_run, "run_study")
+    code, out, err = run(capsys, "study", "--out", "/proc", "--only", "formats", "--quiet")
+    assert code == 1 and out == "" and "cannot write in /proc" in err
+
+
+def test_an_unexpected_error_is_one_line_exit_1(capsys, monkeypatch):
+    from fewbits import cli
+
+    def broken(fmt):
+        raise KeyError("surprise")
+    monkeypatch.setattr(cli, "get_format", broken)
+    code, out, err = run(capsys, "formats", "e4m3")
+    assert code == 1 and out == ""
+    assert err.startswith("fewbits formats: error: KeyError: 'surprise' (unexpected") and len(err.splitlines()) == 1
+    monkeypatch.setenv("FEWBITS_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["formats", "e4m3"])
+
+
+def test_ctrl_c_in_any_command_exits_130_without_a_traceback(capsys, monkeypatch):
+    from fewbits import cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "list_formats", interrupted)
+    code, out, err = run(capsys, "formats")
+    assert code == 130 and err == "fewbits formats: interrupted\n"

@@ -1,8 +1,11 @@
 """The `fewbits` command: parses arguments, calls the library, prints tables or JSON.
 
-Exit codes: 0 success; 2 bad input (unknown format, scheme or mode, not a number, impossible
-option) or a missing optional package (the message carries the pip command); 1 a file that
-cannot be written, or a `study` part that failed (its report is still written).
+Exit codes: 0 success; 2 bad input (unknown format, scheme, mode or device, not a number,
+impossible option, a broken model directory) or a missing optional package (the message carries
+the pip command); 1 a file that cannot be written (output paths are checked before the work
+starts), a `study` part that failed (its report is still written), or an unexpected error;
+130 interrupted (Ctrl-C). Every error is one line on stderr, never a traceback
+(FEWBITS_TRACEBACK=1 shows the traceback of an unexpected error).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from fractions import Fraction
 
 from . import __version__
@@ -92,6 +96,64 @@ def render_table(headers, rows, right=()) -> str:
 def _emit_json(obj, out):
     json.dump(jsonable(obj), out, indent=2, allow_nan=False, ensure_ascii=False)
     out.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# output paths: checked before the work, so that a bad one fails in a second, not after the run
+# ---------------------------------------------------------------------------------------------
+def _probe_writable(directory: str, option: str, given: str) -> None:
+    """Create and remove a file in `directory`: the one test of writability that holds for root,
+    read-only file systems and ACLs alike."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fewbits-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(f"{option} {given}: cannot write in {directory} ({exc.strerror or exc})") from None
+
+
+def check_output_dir(path: str, option: str = "--out") -> None:
+    """An output directory: an existing directory, or one that can be created (its nearest
+    existing ancestor is a directory we can write in). Nothing is created here."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise OSError(f"{option} {path}: exists and is not a directory")
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OSError(f"{option} {path}: {existing} is a file, not a directory")
+    _probe_writable(existing, option, path)
+
+
+def plot_path(path: str, option: str = "--plot") -> str:
+    """The file a figure will really be written to, checked: without an extension matplotlib
+    appends .png (so 'DIR' is written as 'DIR.png', and that is the path reported); an extension
+    matplotlib cannot write is bad input; the directory must exist and be writable, and the file
+    must not be a directory."""
+    if path.endswith(("/", os.sep)):
+        raise OSError(f"{option} {path}: names a directory; give a file name such as {path}plot.png")
+    ext = os.path.splitext(path)[1]
+    if not ext:
+        path, ext = path + ".png", ".png"
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext[1:].lower() not in kinds:
+        raise ValueError(f"{option} {path}: matplotlib cannot write {ext} files; use one of "
+                         f"{', '.join('.' + k for k in sorted(kinds))}")
+    if os.path.isdir(path):
+        raise OSError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, 'plot.png')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise OSError(f"{option} {path}: the directory {parent} does not exist")
+    _probe_writable(parent, option, path)
+    return path
+
+
+def _check_plot(args, attr: str = "plot", option: str = "--plot") -> None:
+    if getattr(args, attr, None):
+        setattr(args, attr, plot_path(getattr(args, attr), option))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +257,7 @@ def _binades_text(d) -> str:
 
 
 def cmd_formats(args, out) -> int:
+    _check_plot(args)
     if args.name:
         fmt = get_format(args.name)
         detail = _format_detail(fmt)
@@ -291,6 +354,7 @@ def _bits_text(r) -> str:
 
 
 def cmd_explain(args, out) -> int:
+    _check_plot(args)
     if args.all_modes:
         modes = list(MODES)
     else:
@@ -360,6 +424,8 @@ def cmd_quantize(args, out) -> int:
         get_scheme(s)  # unknown names fail before the model loads
     if args.budget is not None and not 1 <= args.budget <= 32:
         raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
+    if args.out:
+        check_output_dir(args.out)
     say = (lambda msg: print(f"[fewbits] {msg}", file=sys.stderr)) if not args.quiet else None
     if say:
         say(f"loading {args.model} ...")
@@ -432,6 +498,11 @@ def cmd_train(args, out) -> int:
     cfg = TaskConfig(args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                      **{k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
                                           ("n_heads", args.heads), ("seq", args.seq)) if v is not None})
+    if args.compare and not args.plot:
+        args.plot = f"train_compare_{cfg.task}.png"
+    _check_plot(args)
+    if len(policies) == 1:
+        _check_plot(args, "histogram", "--histogram")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -446,7 +517,7 @@ def cmd_train(args, out) -> int:
             tel.plot_histograms(args.histogram, title=f"{cfg.task} under {pol.name}")
         r["layers"] = tel.layers() if args.layers_detail else None
         results.append(r)
-    plot = args.plot or (f"train_compare_{cfg.task}.png" if args.compare else None)
+    plot = args.plot
     if plot:
         plot_losses(results, plot, title=f"fewbits train --task {cfg.task}: loss by policy")
     if args.json:
@@ -579,12 +650,14 @@ def _bench_text(res) -> str:
 
 
 def cmd_bench(args, out) -> int:
-    from .hardware import MATMUL_DTYPES, MatmulShape, run_bench
+    from .hardware import MATMUL_DTYPES, MatmulShape, check_device, run_bench
 
     shapes = [MatmulShape.parse(s) for s in (args.shape or ["1x4096x4096", "512x4096x4096"])]
     dtypes = [d.strip() for d in (args.dtypes or ",".join(MATMUL_DTYPES)).split(",") if d.strip()]
     if args.budget <= 0 or args.buffer_mb <= 0:
         raise ValueError(f"--budget and --buffer-mb must be positive, got {args.budget} and {args.buffer_mb}")
+    check_device(args.device)
+    _check_plot(args)
     say = None if args.json else (lambda s: print(f"[fewbits bench] {s}", file=sys.stderr, flush=True))
     res = run_bench(shapes, dtypes, budget_s=args.budget, device=args.device, buffer_mb=args.buffer_mb,
                     progress=say)
@@ -654,6 +727,7 @@ def cmd_study(args, out) -> int:
 
     parts = parse_parts(args.only)  # ValueError (exit 2) for an unknown part, before anything runs
     model = check_model_path(args.model) if args.model else None
+    check_output_dir(args.out)
     study = run_study(out=args.out, quick=args.quick, parts=parts, model=model,
                       progress=Progress(enabled=not args.quiet))
     failed = [p for p in study["parts"] if p["status"] != "ok"]
@@ -795,32 +869,51 @@ def _protect_negative_numbers(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if not argv:
-        parser.print_help(sys.stdout)
-        return 0
+    command = "fewbits"
     try:
-        args = parser.parse_args(_protect_negative_numbers(argv))
-    except SystemExit as exc:  # --help, --version, usage errors (already printed by argparse)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    if args.command is None:
-        parser.print_help(sys.stdout)
-        return 0
+        parser = build_parser()
+        if not argv:
+            parser.print_help(sys.stdout)
+            return 0
+        try:
+            args = parser.parse_args(_protect_negative_numbers(argv))
+        except SystemExit as exc:  # --help, --version, usage errors (already printed by argparse)
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if args.command is None:
+            parser.print_help(sys.stdout)
+            return 0
+        command = f"fewbits {args.command}"
+        return _run(command, args)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; 130 = 128 + SIGINT, as a shell reports it
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(command: str, args) -> int:
+    def error(message) -> None:
+        print(f"{command}: error: {' '.join(str(message).split())}", file=sys.stderr)
+
     try:
         return args.func(args, sys.stdout)
     except ValueError as exc:
-        print(f"fewbits {args.command}: error: {exc}", file=sys.stderr)
+        error(exc)
         return 2
     except ImportError as exc:  # an optional package is missing: the message carries the pip hint
-        print(f"fewbits {args.command}: error: {exc}", file=sys.stderr)
+        error(exc)
         return 2
     except BrokenPipeError:  # `fewbits formats | head`: the reader left; stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except OSError as exc:
-        print(f"fewbits {args.command}: error: {exc}", file=sys.stderr)
+        error(exc)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug or a case we did not foresee: one line, not a traceback
+        if os.environ.get("FEWBITS_TRACEBACK"):
+            raise
+        error(f"{type(exc).__name__}: {exc} (unexpected; FEWBITS_TRACEBACK=1 shows where)")
         return 1
 
 

@@ -158,6 +158,30 @@ def roofline(shape: MatmulShape, dtype: str, peak_gflops: float, bandwidth_gbs: 
 # ---------------------------------------------------------------------------------------------
 # probes
 # ---------------------------------------------------------------------------------------------
+BENCH_DEVICES = ("cpu", "cuda")
+
+
+def check_device(device) -> torch.device:
+    """The torch.device the probes run on, or a ValueError naming the problem: a device string
+    torch does not know ('tpu'), a kind the probes do not time (only cpu and cuda), CUDA that
+    this torch was built without or that this machine does not have, a GPU index out of range."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {device!r}: the speed probes run on {' or '.join(BENCH_DEVICES)} "
+                         "(e.g. cuda:0)") from None
+    if dev.type not in BENCH_DEVICES:
+        raise ValueError(f"device {device!r}: the speed probes run on {' or '.join(BENCH_DEVICES)}, not {dev.type}")
+    if dev.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) was built without CUDA")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -420,6 +444,7 @@ def run_bench(shapes=DEFAULT_SHAPES, dtypes=MATMUL_DTYPES, budget_s: float = 1.5
     every available dtype here (measured in `measure_shapes`) and on the known accelerators.
     budget_s is the time given to each probe; the default run takes well under a minute.
     buffer_mb: the bandwidth probe's buffer (keep it well above the caches)."""
+    check_device(device)
     if not budget_s > 0:
         raise ValueError(f"the time budget must be positive seconds, got {budget_s}")
     if not (isinstance(buffer_mb, int) and buffer_mb > 0):
