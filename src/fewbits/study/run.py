@@ -20,7 +20,9 @@ import datetime
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -750,10 +752,55 @@ def run_part(name: str, ctx: StudyContext) -> dict:
     return part
 
 
+class _InterruptWatch:
+    """Counts SIGINTs (Ctrl-C) while the study runs, so that an interrupt always stops it.
+
+    Its handler raises KeyboardInterrupt, as Python's own does. But code under a part may swallow the
+    KeyboardInterrupt (a library's bare `except:` or `except BaseException`, a finalizer, which
+    Python runs with errors ignored) or turn it into an ordinary exception (typing_extensions on
+    Python 3.11 re-raises it as a RuntimeError; run_part then records a failed part and the study
+    ran on). check() raises it again wherever the study reaches: every progress message and the
+    end of every part. Installed only from the main thread and only over Python's default
+    handler (a program that handles SIGINT itself keeps its handler); restored afterwards."""
+
+    def __init__(self):
+        self.count = 0
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        return False
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.count:
+            raise KeyboardInterrupt
+
+
 def run_study(out: str | os.PathLike = DEFAULT_OUT, quick: bool = False, parts: Sequence[str] = PARTS,
               model: str | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Run the parts, write out/report.html, out/results.json and the figures; return the study
-    dict (as written to results.json, with 'report' the path of report.html)."""
+    dict (as written to results.json, with 'report' the path of report.html).
+
+    Ctrl-C (KeyboardInterrupt) stops the study, however the code under a part handled it: the
+    report is written with what finished, says that the run was interrupted and where
+    (study['interrupted']), and the KeyboardInterrupt propagates (`fewbits study` exits 130)."""
+    with _InterruptWatch() as watch:
+        return _run_study(out, quick, parts, model, progress, watch)
+
+
+def _run_study(out, quick: bool, parts: Sequence[str], model: str | None, progress, watch: _InterruptWatch) -> dict:
     from ..hardware import machine_info
 
     parts = parse_parts(parts)
@@ -761,7 +808,12 @@ def run_study(out: str | os.PathLike = DEFAULT_OUT, quick: bool = False, parts: 
         model = check_model_path(model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    say = progress or Progress()
+    report_to = progress or Progress()
+
+    def say(message: str) -> None:
+        watch.check()  # an interrupt that code under a part swallowed stops the study here
+        report_to(message)
+
     ctx = StudyContext(out=out, quick=quick, model=model, say=say)
     t0 = time.perf_counter()
     study = {
@@ -774,18 +826,48 @@ def run_study(out: str | os.PathLike = DEFAULT_OUT, quick: bool = False, parts: 
         "parts": [],
     }
     say(f"{'quick' if quick else 'full'} study of {', '.join(parts)} -> {out}/report.html")
-    for i, name in enumerate(parts, 1):
-        say(f"part {i}/{len(parts)}: {name}")
-        part = run_part(name, ctx)
-        study["parts"].append(part)
-        if part["status"] == "ok":
-            say(f"part {i}/{len(parts)}: {name} done in {part['seconds']:.1f} s")
-        else:
-            say(f"part {i}/{len(parts)}: {name} FAILED after {part['seconds']:.1f} s: {part['error']}")
-        study["seconds"] = time.perf_counter() - t0
-        write_report(study, out)  # after every part: an interrupted run still leaves a report
+    current, started = None, t0
+    try:
+        for i, name in enumerate(parts, 1):
+            say(f"part {i}/{len(parts)}: {name}")
+            current, started = name, time.perf_counter()
+            part = run_part(name, ctx)
+            watch.check()  # the part swallowed an interrupt, or recorded it as its failure
+            current = None
+            study["parts"].append(part)
+            if part["status"] == "ok":
+                say(f"part {i}/{len(parts)}: {name} done in {part['seconds']:.1f} s")
+            else:
+                say(f"part {i}/{len(parts)}: {name} FAILED after {part['seconds']:.1f} s: {part['error']}")
+            study["seconds"] = time.perf_counter() - t0
+            write_report(study, out)  # after every part: an interrupted run still leaves a report
+    except KeyboardInterrupt:
+        _record_interrupt(study, current, started, parts, t0)
+        path = write_report(study, out)
+        study["report"] = str(path)
+        report_to(f"interrupted{f' during part {current}' if current else ''}: partial report {path}")
+        raise
     study["seconds"] = time.perf_counter() - t0
     path = write_report(study, out)
     study["report"] = str(path)
     say(f"wrote {path} in {study['seconds']:.0f} s")
     return study
+
+
+def _record_interrupt(study: dict, current: str | None, started: float, parts: Sequence[str], t0: float) -> None:
+    """Mark the study as interrupted: the part that was running (its figures are not listed), and
+    a line at the top of the report naming it and the parts that did not run."""
+    if current is not None:
+        study["parts"].append({
+            "name": current, "title": PART_TITLES[current], "how_to_read": HOW_TO_READ[current],
+            "status": "interrupted", "error": "interrupted (Ctrl-C) before it finished",
+            "seconds": time.perf_counter() - started, "figures": [], "tables": [], "numbers": {}, "notes": [],
+            "warnings": [], "highlights": [], "order": []})
+    done = {p["name"] for p in study["parts"]} - {current}
+    not_run = [p for p in parts if p not in done and p != current]
+    study["interrupted"] = {"part": current, "not_run": not_run}
+    study["title"] += " (interrupted)"
+    study["seconds"] = time.perf_counter() - t0
+    where = f"during part {current}" if current else "between parts"
+    study["intro"] = (f"This run was interrupted (Ctrl-C) {where}: the report holds only the parts that "
+                      "finished before" + (f"; not run: {', '.join(not_run)}." if not_run else "."))
