@@ -135,7 +135,7 @@ def test_other_input_dtypes_are_cast_to_float32_first(bnbf, dtype):
 
 CODEBOOKS = [LookupFormat("uneven", [-10.0, -0.3125, 2.0 ** -10, 0.25, 7.0]),
              LookupFormat("sixteen", [float(v) for v in range(-8, 8)]),
-             # float32 bounds that round the sum (2^-1 + 2^-24 + ... is not a float32 sum)
+             # a bound whose float32 sum rounds: (1 - 2^-24) + 3 is 4 in float32, the bound 2
              LookupFormat("odd_sums", [-1.0, 2.0 ** -24, 0.5 + 2.0 ** -24, 1.0 - 2.0 ** -24, 3.0]),
              LookupFormat("forty", [i / 8 - 2.5 for i in range(40)])]  # > 32 values: binary search
 

@@ -1,9 +1,14 @@
 """Quantized tensors against independent implementations: bitsandbytes' NF4 (codes, absmax and
 dequantized values, both nibble orders) and torchao's MX casts in every scale mode and NVFP4.
 
-Deliberate difference: bitsandbytes blocks the flattened tensor; fewbits groups along the last
+NF4 codes are compared on random data and on the bucket bounds themselves (blocks built so that
+x * (1 / absmax) lands on bitsandbytes' float32 midpoints): the nf4 presets round with mode
+"bitsandbytes" (float32 midpoints, ties to the lower code), which exact rounding is not.
+
+Deliberate differences: bitsandbytes blocks the flattened tensor; fewbits groups along the last
 axis per row, so the two agree whenever the last dimension is a multiple of the block size
-(as it is for every Linear layer with blocks of 64).
+(as it is for every Linear layer with blocks of 64). A block whose absmax is below 1e-38 is
+scaled by 1 / 1e-38 in bitsandbytes (its clamp) and by 1 / absmax in fewbits: not compared here.
 """
 from __future__ import annotations
 

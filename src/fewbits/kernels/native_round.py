@@ -40,7 +40,8 @@ def float_params(fmt, overflow: str, kind: str) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=256)
 def _lut_tables(fmt: LookupFormat, mode: str):
-    """(thresholds float32 [<= 15], values float32 [n]) for the C codebook kernels, or None."""
+    """(thresholds float32 [<= 15], values float32 [n]) for the C codebook kernels, or None.
+    mode="bitsandbytes" needs nothing of its own: its bounds are the thresholds."""
     if fmt.num_values > 16:
         return None
     th = f32_thresholds(fmt, "down" if mode == "stochastic" else mode)
