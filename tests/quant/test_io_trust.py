@@ -252,8 +252,7 @@ def test_reported_crafted_metadata(model_file, dict_file, tmp_path):
 
 
 # values put in place of every field of the metadata, one at a time
-ODD_VALUES = [None, True, 0, -1, 7, 2 ** 70, -(2 ** 70), 1.5, float("nan"), "", "x", "linear", [], [1], ["x"],
-              [[[]]], {}, {"kind": "float"}, {"a": 1}]
+ODD_VALUES = [None, True, -1, 2 ** 70, 1.5, float("nan"), "", "linear", [1], ["x"], [[[]]], {}, {"kind": "float"}]
 
 
 def _leaf_paths(value, path=()):
@@ -302,7 +301,7 @@ def test_every_field_of_the_wrong_type_is_a_file_format_error(which, model_file,
                         assert_unchanged(model, snap)
                 except Exception as e:  # noqa: BLE001 - the point: nothing else escapes
                     pytest.fail(f"{key} {path} := {new!r}: {type(e).__name__}: {e}")
-    assert tried > 300 and refused > tried // 2
+    assert tried > 200 and refused > tried // 2
 
 
 def test_the_scheme_schema_covers_every_scheme_field():
