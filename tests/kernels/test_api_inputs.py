@@ -524,3 +524,10 @@ def test_e8m0_float32_subnormals_against_torch_and_ml_dtypes():
     ours = fb.round(other, "e8m0", "nearest_away", overflow="torch")
     theirs = other.to(torch.float8_e8m0fnu).float()
     assert torch.equal(ours.nan_to_num(-1.0), theirs.nan_to_num(-1.0))
+
+
+def test_pack_and_unpack_refuse_sparse_tensors():
+    with pytest.raises(TypeError, match="codes is a sparse_coo tensor"):
+        fb.pack(torch.ones(4, dtype=torch.uint8).to_sparse(), 4)
+    with pytest.raises(TypeError, match="packed is a sparse_coo tensor"):
+        fb.unpack(torch.ones(4, dtype=torch.uint8).to_sparse(), 4, 8)

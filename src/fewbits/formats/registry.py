@@ -72,6 +72,8 @@ _f("fp6_e2m3", 2, 3, ("e2m3", "e2m3fn", "float6_e2m3fn", "fp6_e2m3fn", "fp6"), s
    description="OCP MX FP6 E2M3: no inf, no NaN, max 7.5")
 _f("fp4_e2m1", 2, 1, ("e2m1", "e2m1fn", "float4_e2m1fn", "fp4_e2m1fn", "fp4", "mxfp4_element"), specials="none",
    description="OCP MX FP4 E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6")
+# E8M0 rounds to the nearest power of two down to 2^-127; torch's and ml_dtypes' casts give
+# 2^-126 for every float32 subnormal strictly between 2^-127 and 2^-126 (see fewbits.round)
 _f("e8m0", 8, 0, ("fp8_e8m0", "e8m0fnu", "float8_e8m0fnu", "e8m0_scale"), bias=127, specials="fn",
    subnormals=False, signed=False, zero=False,
    description="OCP MX shared scale E8M0: unsigned powers of two 2^-127..2^127, NaN = 0xFF, no zero")

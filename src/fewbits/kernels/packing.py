@@ -43,6 +43,8 @@ import warnings
 import numpy as np
 import torch
 
+from .arguments import check_dense
+
 __all__ = ["pack", "unpack", "pack_reference", "unpack_reference", "packed_nbytes"]
 
 ORDERS = ("low_first", "high_first")
@@ -145,6 +147,7 @@ def pack(codes, bits: int, order: str = "low_first"):
         if codes.dtype not in _INT_DTYPES:
             hint = " (bool is not accepted; cast to uint8)" if codes.dtype == torch.bool else ""
             raise TypeError(f"codes must have an integer dtype, got {codes.dtype}{hint}")
+        check_dense(codes, "codes")
         flat = codes.reshape(-1)
     else:
         raise TypeError(
@@ -227,6 +230,7 @@ def unpack(packed, bits: int, count: int, order: str = "low_first"):
     elif isinstance(packed, torch.Tensor):
         if packed.dtype != torch.uint8:
             raise TypeError(f"packed must have dtype torch.uint8, got {packed.dtype}")
+        check_dense(packed, "packed")
         flat = packed.reshape(-1)
     else:
         raise TypeError(
