@@ -2,7 +2,7 @@
 # numpy before torch: torch's C extension imports numpy while it initializes and swallows any
 # exception that import raises, a KeyboardInterrupt included, so a Ctrl-C at start-up went
 # unnoticed (or failed later as numpy's "cannot load module more than once per process").
-import numpy  # noqa: F401  isort: skip
+import numpy  # noqa: F401
 
 from .formats import (
     MODES, OVERFLOW_POLICIES, FloatFormat, Format, IntFormat, LookupFormat, get_format, list_formats,
