@@ -761,7 +761,9 @@ class _InterruptWatch:
     Python 3.11 re-raises it as a RuntimeError; run_part then records a failed part and the study
     ran on). check() raises it again wherever the study reaches: every progress message and the
     end of every part. Installed only from the main thread and only over Python's default
-    handler (a program that handles SIGINT itself keeps its handler); restored afterwards."""
+    handler (a program that handles SIGINT itself keeps its handler); restored afterwards.
+    (Before the study starts, torch's C extension swallowed an interrupt raised while it loaded
+    numpy; fewbits/__init__ loads numpy first for that.)"""
 
     def __init__(self):
         self.count = 0
