@@ -363,16 +363,30 @@ def test_decode_dtype_by_name_or_numpy_dtype():
 
 
 def test_decode_refuses_a_dtype_too_narrow_for_the_format():
-    with pytest.raises(ValueError, match="cannot hold every value of fp64"):
-        fb.decode(torch.tensor([0]), "fp64", dtype=torch.float32)
-    with pytest.raises(ValueError, match="cannot hold every value of bf16"):
+    """Never a silent inf or NaN: the dtype must span the format's range and special values."""
+    with pytest.raises(ValueError, match="cannot hold the range or special values of fp64"):
+        fb.decode(torch.tensor([0]), "fp64", dtype=torch.float32)  # 1e300 -> inf
+    with pytest.raises(ValueError, match="cannot hold the range or special values of bf16"):
         fb.decode(torch.tensor([0x7F7F]), "bf16", dtype=torch.float16)
     with pytest.raises(ValueError, match="cannot hold"):
         fb.decode(torch.tensor([0x7C]), "fp8_e5m2", dtype=torch.float8_e4m3fn)  # inf
+    with pytest.raises(ValueError, match="cannot hold"):
+        fb.decode(torch.tensor([0x80]), FMT, dtype=torch.float8_e8m0fnu)  # no zero, no sign
     # exact ones are accepted, and float64 always
     assert fb.decode(torch.tensor([0x7E]), FMT, dtype=torch.float8_e4m3fn).float().item() == 448.0
     assert fb.decode(torch.tensor([0x7E]), FMT, dtype=torch.float16).item() == 448.0
     assert fb.decode(torch.tensor([0x7FFF]), "e3m56", dtype=torch.float64).dtype == torch.float64
+
+
+def test_decode_to_a_coarser_dtype_of_the_same_range_rounds_like_a_cast():
+    book = fb.LookupFormat("f64_only", [-1.0, 0.0, 1 + 2.0 ** -40, 2.5])
+    v = fb.decode(torch.tensor([2, 3]), book, dtype=torch.float32)  # as quantized layers compute
+    assert v.dtype == torch.float32 and v.tolist() == [1.0, 2.5]
+    assert fb.decode(torch.tensor([2]), book).dtype == torch.float64  # the default loses nothing
+    half = fb.encode(torch.tensor([1 + 2.0 ** -8, 3 + 2.0 ** -7]), "fp16")
+    assert fb.decode(half, "fp16", dtype=torch.bfloat16).tolist() == [1.0, 3.0]  # ties to even, as .to()
+    with pytest.raises(ValueError, match="of tf32"):  # tf32's max rounds to 2^128 in bfloat16
+        fb.decode(half, "tf32", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", TORCH_FLOATS, ids=str)

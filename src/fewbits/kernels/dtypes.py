@@ -2,7 +2,8 @@
 whether fb.round can give a float32 input's results back in float32.
 
 A dtype *holds* a format when every value of the format (its finite values, signed zeros,
-infinities and NaN) is a value of the dtype, so that decoding into it loses nothing.
+infinities and NaN) is a value of the dtype, so that decoding into it loses nothing; it *spans*
+the format when it has the format's range and special values (only precision may be lost).
 """
 from __future__ import annotations
 
@@ -83,15 +84,30 @@ def as_float_dtype(dtype) -> torch.dtype:
     return d
 
 
+def _spans(dtype: torch.dtype, fmt) -> bool:
+    """Whether the dtype spans fmt's range and special values: its largest magnitude, inf, NaN,
+    negative values and zero (precision aside)."""
+    t = get_format(dtype)
+    top, has_neg = max(fmt.max, -fmt.lowest), fmt.lowest < 0
+    if isinstance(fmt, FloatFormat):
+        has_zero = fmt.zero
+    else:
+        has_zero = isinstance(fmt, IntFormat) or 0.0 in fmt.table
+    has_inf, has_nan = fmt.has_inf, fmt.has_nan
+    return (top <= t.max and (t.signed or not has_neg) and (t.zero or not has_zero)
+            and (t.has_inf or not has_inf) and (t.has_nan or not has_nan))
+
+
 def checked_value_dtype(dtype, fmt) -> torch.dtype:
-    """decode's dtype= argument: a floating dtype that holds every value of fmt (float64, in which
-    the values are computed, is always accepted). A narrower one raises ValueError instead of
-    rounding or overflowing values silently."""
+    """decode's dtype= argument: a floating dtype spanning fmt's range and special values. Values
+    finer than the dtype's precision are rounded to its nearest, as Tensor.to(dtype) does (a
+    float64-only codebook decoded to float32); a dtype whose range or specials fall short of fmt
+    (fp64 into float32, bf16 into float16, E5M2's inf into float8_e4m3fn) raises ValueError
+    instead of overflowing to inf or NaN in silence. float64 is always accepted."""
     d = as_float_dtype(dtype)
-    if d != torch.float64 and not holds(d, fmt):
-        raise ValueError(f"dtype {d} cannot hold every value of {fmt.name} exactly (its range, precision or "
-                         f"special values are narrower); decode to {value_dtype(fmt)} (the default) and cast "
-                         "the result if you want it rounded")
+    if d != torch.float64 and not _spans(d, fmt):
+        raise ValueError(f"dtype {d} cannot hold the range or special values of {fmt.name} (they would "
+                         f"become inf or NaN); decode to {value_dtype(fmt)} (the default) instead")
     return d
 
 

@@ -281,10 +281,11 @@ def decode(codes, fmt, dtype=None):
 
     dtype: the values' floating dtype: a torch dtype, its name ("float32", "bfloat16") or a numpy
     float dtype. Default: float32 where it holds every value of fmt exactly, else float64 (fp64,
-    e8m30, e11m40, any format with values beyond float32's range or precision). A dtype that
-    cannot hold every value of fmt exactly raises ValueError (float64, in which values are
-    computed, is always accepted); integer and bool dtypes raise TypeError. numpy codes decode
-    to float16, float32 or float64 (numpy has no other float dtype).
+    e8m30, e11m40, any format with values beyond float32's range or precision). A given dtype
+    must span fmt's range and special values, else ValueError (fp64 into float32, bf16 into
+    float16: values would become inf or NaN); values finer than its precision are rounded to
+    nearest, as Tensor.to(dtype) does; float64 is always accepted. Integer and bool dtypes raise
+    TypeError. numpy codes decode to float16, float32 or float64 (numpy has no other float dtype).
     Codes out of range raise ValueError; codes of 64-bit formats are bit patterns (int64, uint64).
     """
     fmt = get_format(fmt)
