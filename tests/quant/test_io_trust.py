@@ -316,29 +316,32 @@ def temps(directory, target="m.safetensors"):
     return sorted(n for n in os.listdir(directory) if n.startswith(qio.temp_prefix(target)))
 
 
-def test_temporary_file_is_beside_the_target_with_the_pattern(tmp_path, monkeypatch):
+def test_the_file_is_written_in_a_temporary_directory_beside_the_target(tmp_path, monkeypatch):
     seen = []
     real = qio._write_safetensors
 
     def spy(tensors, path, metadata):
-        seen.append(path)
+        seen.append((path, sorted(os.listdir(tmp_path))))
         real(tensors, path, metadata)
 
     monkeypatch.setattr(qio, "_write_safetensors", spy)
     fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
-    (tmp,) = seen
-    name = os.path.basename(tmp)
-    assert os.path.dirname(tmp) == str(tmp_path)
+    ((tmp, listing),) = seen
+    tmpdir = os.path.dirname(tmp)
     prefix = ".m.safetensors.fewbits-tmp-"
-    assert name.startswith(prefix) and qio._TEMP_RANDOM.fullmatch(name[len(prefix):])
+    assert os.path.dirname(tmpdir) == str(tmp_path) and listing == [os.path.basename(tmpdir)]
+    assert os.path.basename(tmpdir).startswith(prefix)
+    assert qio._TEMP_RANDOM.fullmatch(os.path.basename(tmpdir)[len(prefix):])
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
-def test_keyboard_interrupt_during_save_removes_the_temporary_file(tmp_path, monkeypatch):
+def test_keyboard_interrupt_during_save_removes_the_temporary_files(tmp_path, monkeypatch):
     real = qio._write_safetensors
 
     def interrupted(tensors, path, metadata):
         real(tensors, path, metadata)
+        with open(os.path.join(os.path.dirname(path), ".tmpAbC123"), "wb") as f:  # as safetensors' own would
+            f.write(b"half")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(qio, "_write_safetensors", interrupted)
@@ -347,34 +350,42 @@ def test_keyboard_interrupt_during_save_removes_the_temporary_file(tmp_path, mon
     assert os.listdir(tmp_path) == []
 
 
+# The child is killed while safetensors writes (safetensors writes a ".tmpXXXXXX" file of its own
+# beside the name it is given and renames it at the end: the file left by a kill mid-write), or
+# after the write, before the rename.
 KILLED_SAVE = """
     import os, signal, torch, fewbits as fb
+    import safetensors.torch
     from fewbits.quant import io as qio, quantize
-    real = qio._write_safetensors
-    def killed(tensors, path, metadata):
-        real(tensors, path, metadata)
+    real = safetensors.torch.save_file
+    def killed(tensors, path, metadata=None):
+        if {midway!r}:
+            with open(os.path.join(os.path.dirname(path), ".tmpAbC123"), "wb") as f:
+                f.write(b"x" * 100000)
+        else:
+            real(tensors, path, metadata=metadata)
         os.kill(os.getpid(), signal.SIGKILL)
-    qio._write_safetensors = killed
+    safetensors.torch.save_file = killed
     fb.save(quantize(torch.randn(64, 64), "int8"), {target!r})
 """
 
 
-def test_a_killed_save_leaves_a_temporary_file_that_the_next_save_removes(tmp_path):
+def test_a_killed_save_leaves_a_temporary_directory_that_the_next_save_removes(tmp_path):
     target = tmp_path / "m.safetensors"
     left = []
-    for _ in range(3):  # each killed save removes the one before it: they never pile up
-        child = run_child(KILLED_SAVE.format(target=str(target)))
+    for midway in (True, False, True):  # each killed save removes the one before it: they never pile up
+        child = run_child(KILLED_SAVE.format(target=str(target), midway=midway))
         assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
         left.append(temps(tmp_path))
     assert [len(names) for names in left] == [1, 1, 1] and len({names[0] for names in left}) == 3
-    assert not target.exists()
+    assert os.listdir(tmp_path / left[-1][0]) == [".tmpAbC123"] and not target.exists()
     other = tmp_path / "other.safetensors"
-    child = run_child(KILLED_SAVE.format(target=str(other)))
+    child = run_child(KILLED_SAVE.format(target=str(other), midway=False))
     assert child.returncode == -signal.SIGKILL
     unrelated = [".m.safetensors.fewbits-tmp-toolong123", ".m.safetensors.fewbits-tmp-short", "m.safetensors.tmp",
                  ".m.safetensors.fewbits-tmp-abcdefgh.bak"]
     for name in unrelated:
-        (tmp_path / name).write_bytes(b"keep me")
+        (tmp_path / name).mkdir()
     fb.save(quantize(torch.randn(4, 8), "int8"), target)
     assert temps(tmp_path) == sorted(n for n in unrelated if n.startswith(".m."))  # ours gone, look-alikes kept
     assert len(temps(tmp_path, "other.safetensors")) == 1  # another target's: left to its own next save
@@ -383,12 +394,14 @@ def test_a_killed_save_leaves_a_temporary_file_that_the_next_save_removes(tmp_pa
 
 @pytest.mark.skipif(importlib.util.find_spec("fcntl") is None,
                     reason="no flock on this platform: stale files are not told from live ones")
-def test_a_save_in_progress_keeps_its_temporary_file(tmp_path):
-    # another process writing the same target holds the lock on its temporary file
+def test_a_save_in_progress_keeps_its_temporary_directory(tmp_path):
+    # another process writing the same target holds the lock on its temporary directory
     live = tmp_path / (qio.temp_prefix("m.safetensors") + "live0000")
+    live.mkdir()
+    (live / "m.safetensors").write_bytes(b"being written")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, sys, time
-        fd = os.open({str(live)!r}, os.O_RDWR | os.O_CREAT, 0o600)
+        import fcntl, os, sys
+        fd = os.open({str(live)!r}, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("locked", flush=True)
         sys.stdin.read()
@@ -396,7 +409,7 @@ def test_a_save_in_progress_keeps_its_temporary_file(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
-        assert live.exists()
+        assert (live / "m.safetensors").exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
@@ -405,9 +418,9 @@ def test_a_save_in_progress_keeps_its_temporary_file(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to give a file away")
-def test_another_users_file_of_the_pattern_is_left_alone(tmp_path):
+def test_another_users_directory_of_the_pattern_is_left_alone(tmp_path):
     foreign = tmp_path / (qio.temp_prefix("m.safetensors") + "theirs00")
-    foreign.write_bytes(b"someone else's")
+    foreign.mkdir()
     os.chown(foreign, 65534, 65534)
     fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
     assert foreign.exists()

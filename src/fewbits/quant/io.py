@@ -20,9 +20,10 @@ before it changes the model, so a bad file leaves the model as it was: the check
 every metadata field (a strict schema: a crafted file raises FileFormatError, never a
 RecursionError or TypeError), and every element code against its format.
 
-Writes go to a temporary file beside the target, ".<target name>.fewbits-tmp-<8 characters>",
-that replaces the target only once it is complete and synced, and is removed if the write
-fails. A save killed outright leaves it behind; the next save of the same target removes it.
+Writes go to a file in a temporary directory beside the target, ".<target name>.fewbits-tmp-<8
+characters>", that replaces the target only once it is complete and synced; the directory is
+removed whether the write succeeds or fails. A save killed outright leaves it behind; the next
+save of the same target removes it.
 """
 from __future__ import annotations
 
@@ -212,75 +213,109 @@ def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
 
 
 TEMP_MARK = ".fewbits-tmp-"
-_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkstemp puts between prefix and suffix
+_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp puts after the prefix
 
 
 def temp_prefix(path) -> str:
-    """The name every temporary file of save(..., path) starts with, in the target's directory:
+    """The name every temporary directory of save(..., path) starts with, beside the target:
     ".<target name>.fewbits-tmp-", then 8 random characters (nothing after them)."""
     return f".{os.path.basename(os.fspath(path))}{TEMP_MARK}"
 
 
 def _atomic_write(tensors: dict, path, metadata: dict) -> None:
-    """Write to a temporary file beside `path`, sync it, rename it over `path`.
+    """Write into a private temporary directory beside `path`, sync, rename the file over `path`.
 
-    The temporary file is removed on any failure (KeyboardInterrupt included). A process killed
-    outright (SIGKILL, power loss) cannot remove it, so each save first removes the temporary
-    files of earlier saves of the same target that nobody is writing any more: a writer holds an
-    exclusive flock on its file from creation to rename, which the kernel drops when the process
-    dies, so an unlocked file of ours with our name pattern is stale."""
+    A directory, not a file, because safetensors itself writes through a temporary file of its
+    own (".tmpXXXXXX" beside the name it is given, then renamed): inside our directory that one
+    is ours to clean up too. The directory is removed on any failure (KeyboardInterrupt
+    included). A process killed outright (SIGKILL, power loss) cannot remove it, so each save
+    first removes what earlier saves of the same target left that nobody is writing any more: a
+    writer holds an exclusive flock on its directory from creation to the end, which the kernel
+    drops when the process dies, so an unlocked directory of ours with our name is stale."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     prefix = temp_prefix(path)
     _remove_stale_temps(directory, prefix)
-    fd, tmp = _locked_temp(directory, prefix)
+    fd, tmpdir = _locked_temp_dir(directory, prefix)
+    tmp = os.path.join(tmpdir, os.path.basename(path))
     try:
-        _write_safetensors(tensors, tmp, metadata)
-        sync_fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(sync_fd)
+            _write_safetensors(tensors, tmp, metadata)
+            sync_fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(sync_fd)
+            finally:
+                os.close(sync_fd)
+            os.chmod(tmp, 0o666 & ~_umask())  # private so far; give it a normal file's mode
+            os.replace(tmp, path)
         finally:
-            os.close(sync_fd)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            _remove_temp_dir(tmpdir)
     finally:
         os.close(fd)  # drops the lock
     _fsync_directory(directory)
 
 
-def _locked_temp(directory: str, prefix: str) -> tuple[int, str]:
-    """(fd holding an exclusive flock, name) of a new empty temporary file. The lock is taken
-    right after creation; should a cleaner in another process have taken that file for stale in
-    between (it then removes it before letting go), another name is tried."""
+def _locked_temp_dir(directory: str, prefix: str) -> tuple[int, str]:
+    """(fd holding an exclusive flock on it, path) of a new empty private directory. The lock is
+    taken right after creation; should a cleaner in another process have taken it for stale in
+    between (it removes it before letting go), another name is tried."""
     while True:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix="")
-        if fcntl is None:
-            return fd, tmp
+        tmpdir = tempfile.mkdtemp(dir=directory, prefix=prefix)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            st = os.fstat(fd)
+            fd = os.open(tmpdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except BaseException:
+            _remove_temp_dir(tmpdir)
+            raise
+        if fcntl is None:
+            return fd, tmpdir
+        try:
             try:
-                now = os.lstat(tmp)
-            except FileNotFoundError:
-                now = None
-            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                return fd, tmp
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: cleaners cannot lock it either, so skip it
+                return fd, tmpdir
+            if _same_inode(fd, tmpdir):
+                return fd, tmpdir
         except BaseException:
             os.close(fd)
+            _remove_temp_dir(tmpdir)
             raise
         os.close(fd)
 
 
+def _same_inode(fd: int, path: str) -> bool:
+    """Whether `path` still names the file or directory open as `fd`."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    st = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _remove_temp_dir(tmpdir: str) -> None:
+    """Remove a temporary directory of save() and the files in it (best effort: the error that
+    got us here matters more). Only its own entries: files and links, never a subdirectory."""
+    try:
+        names = os.listdir(tmpdir)
+    except OSError:
+        return
+    for name in names:
+        full = os.path.join(tmpdir, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(full).st_mode):
+                os.remove(full)
+        except OSError:
+            pass
+    try:
+        os.rmdir(tmpdir)
+    except OSError:
+        pass
+
+
 def _remove_stale_temps(directory: str, prefix: str) -> None:
-    """Remove the temporary files named `prefix` + 8 random characters in `directory` that are
-    regular files owned by this user and locked by no writer (see _atomic_write). Without flock
-    (not POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
+    """Remove the temporary directories named `prefix` + 8 random characters in `directory`
+    that are owned by this user and locked by no writer (see _atomic_write). Without flock (not
+    POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
     if fcntl is None:
         return
     try:
@@ -292,26 +327,19 @@ def _remove_stale_temps(directory: str, prefix: str) -> None:
             continue
         full = os.path.join(directory, name)
         try:
-            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            seen = os.lstat(full)
+            if not stat.S_ISDIR(seen.st_mode) or seen.st_uid != os.getuid():
+                continue  # only directories of ours are opened at all
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
             continue
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a save in progress
-            try:  # still that file under that name (not renamed into place meanwhile)?
-                now = os.lstat(full)
-            except FileNotFoundError:
-                continue
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                try:
-                    os.remove(full)
-                except OSError:
-                    pass
+            if _same_inode(fd, full):
+                _remove_temp_dir(full)
         finally:
             os.close(fd)
 
