@@ -61,7 +61,8 @@ _MAX_LISTED_PROBLEMS = 8
 
 class FileFormatError(ValueError):
     """A file that cannot be loaded: unreadable as safetensors, not a fewbits file, a version this
-    fewbits does not know, corrupted, or not matching the model it is loaded into."""
+    fewbits does not know, corrupted, metadata of the wrong structure or types, codes outside
+    their format, or not matching the model it is loaded into."""
 
     def __init__(self, path, problem: str):
         self.path = os.fspath(path)
@@ -251,23 +252,25 @@ def _atomic_write(tensors: dict, path, metadata: dict) -> None:
         finally:
             _remove_temp_dir(tmpdir)
     finally:
-        os.close(fd)  # drops the lock
+        if fd is not None:
+            os.close(fd)  # drops the lock
     _fsync_directory(directory)
 
 
-def _locked_temp_dir(directory: str, prefix: str) -> tuple[int, str]:
-    """(fd holding an exclusive flock on it, path) of a new empty private directory. The lock is
-    taken right after creation; should a cleaner in another process have taken it for stale in
-    between (it removes it before letting go), another name is tried."""
+def _locked_temp_dir(directory: str, prefix: str) -> tuple[int | None, str]:
+    """(fd holding an exclusive flock on it, or None without flock; path) of a new empty
+    private directory. The lock is taken right after creation; should a cleaner in another
+    process have taken the directory for stale in between (it removes it before letting go),
+    another name is tried."""
     while True:
         tmpdir = tempfile.mkdtemp(dir=directory, prefix=prefix)
+        if fcntl is None:  # no locks (and a directory may not open as a file there)
+            return None, tmpdir
         try:
             fd = os.open(tmpdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except BaseException:
             _remove_temp_dir(tmpdir)
             raise
-        if fcntl is None:
-            return fd, tmpdir
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
