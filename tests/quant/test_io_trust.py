@@ -228,19 +228,17 @@ def test_reported_crafted_metadata(model_file, dict_file, tmp_path):
     expect_malformed(bad, match="'entries' entry must be a JSON list of distinct strings")
     rewrite(dict_file, bad, lambda m: m.update(entries=deep))
     expect_malformed(bad, match="nested too deeply")
-    # an activation scheme nested in itself, deeper than Python's recursion limit
-    def nest(q):
-        inner = q["up"]["scheme"]["activations"]
-        for _ in range(5000):
-            inner = {**inner, "activations": inner}
-        q["up"]["scheme"]["activations"] = inner
-        return json.dumps(q)
-    try:
+    # activation schemes nested in one another, below and beyond Python's recursion limit
+    for depth, match in ((200, "no activations of its own"), (1500, "nested too deeply")):
+        def nest(q, depth=depth):
+            act = q["up"]["scheme"]["activations"]
+            text = json.dumps(act)
+            for _ in range(depth):
+                text = json.dumps({**act, "activations": None}).replace('"activations": null', '"activations": ' + text)
+            q["up"]["scheme"]["activations"] = "PLACEHOLDER"
+            return json.dumps(q).replace('"PLACEHOLDER"', text)
         rewrite(model_file, bad, _edit_json("quantized", nest))
-    except (RecursionError, ValueError):  # json.dumps refuses too: the same nesting, written directly
-        pass
-    else:
-        expect_malformed(bad, fresh_model(tie=True))
+        expect_malformed(bad, fresh_model(tie=True), match)
     rewrite(model_file, bad, _edit_json("quantized", lambda q: {**q, "up": {**q["up"], "scheme": {
         **q["up"]["scheme"], "activations": {**q["up"]["scheme"]["activations"],
                                              "activations": q["up"]["scheme"]["activations"]}}}}))
