@@ -406,3 +406,137 @@ def test_concurrent_first_loads_build_once_and_agree(cache, built):
     assert sorted(int(o[0]) for o in outs) == [0, 1], outs
     assert_verified(cache, built)
     assert sorted(p.name for p in cache.dir.iterdir()) == sorted([".lock", cache.lib.name, cache.record.name])
+
+
+# --- found by a hostile review of the cache (issue 12, items 1 and 2) -----------------------
+def _plant_other_file(c: Cache, how: str):
+    """Make the library (installed, good) or `.lock` something that is not the current user's
+    regular file; returns the path the refusal must name and the reason it must give."""
+    lock = c.dir / ".lock"
+    if how == "lock is a symlink":
+        lock.symlink_to(c.root / "elsewhere")
+        return lock, "symbolic link"
+    if how == "lock is a directory":
+        lock.mkdir()
+        return lock, "not a regular file"
+    if how == "lock is a fifo":
+        os.mkfifo(lock, 0o600)
+        return lock, "not a regular file"
+    if how == "lock of another owner":
+        need_root()
+        lock.write_bytes(b"")
+        os.chmod(lock, 0o666)
+        os.chown(lock, FOREIGN_UID, -1)
+        return lock, "owned by uid 12345"
+    if how == "library is a socket":
+        import socket
+        c.lib.unlink()
+        here = os.getcwd()
+        os.chdir(c.dir)  # bound by its relative name: a socket's path has a length limit
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(c.lib.name)
+        finally:
+            os.chdir(here)
+        return c.lib, "not a regular file"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["lock is a symlink", "lock is a directory", "lock is a fifo",
+                                 "lock of another owner", "library is a socket"])
+def test_a_lock_or_library_not_ours_is_refused_with_one_warning(how, cache, built, fake_compiler):
+    """`.lock` was opened unchecked: a symbolic link or directory gave a silent 'build failed'
+    without the path, and a lock file of another owner (left from a time the directory was not
+    private) let that owner hold every load for LOCK_WAIT_S; a socket in the library's place gave
+    a silent 'build failed' and was never looked at again. Now each is a refusal like the others:
+    one warning naming the path and the reason, nothing built, nothing removed."""
+    cache.install(built[1])
+    refused, reason = _plant_other_file(cache, how)
+    before = sorted(p.name for p in cache.dir.iterdir())
+    lib, st, warned = load_recording_warnings()
+    assert lib is None and st["reason"].startswith(f"refused: {refused} "), st
+    assert len(warned) == 1 and f"{refused} " in str(warned[0].message) and reason in str(warned[0].message)
+    after = sorted(p.name for p in cache.dir.iterdir())
+    assert not fake_compiler and set(before) <= set(after) and set(after) - set(before) <= {".lock"}
+
+
+def test_a_lock_file_is_created_private_and_reused(cache, built):
+    cache.install(built[1])
+    assert native.library() is not None
+    st = (cache.dir / ".lock").stat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    native.reset()
+    assert native.library() is not None and (cache.dir / ".lock").stat().st_ino == st.st_ino
+
+
+def test_a_building_name_with_an_impossible_pid_is_swept_not_raised(cache, built):
+    """A .building-* name of this host with a pid past any C long made os.kill raise
+    OverflowError out of library(): every kernel call raised, for good."""
+    cache.install(built[1])
+    huge = cache.dir / f".building-{native._host()}-{'9' * 30}-ab.so"
+    huge.write_bytes(b"partial")
+    assert native.library() is not None, native.status()
+    assert not huge.exists()
+
+
+def test_the_sweep_leaves_files_of_another_owner(cache, built):
+    """The sweep removed a dead build's name whoever owned the file; fewbits made none of
+    another owner's files, and a file of another owner is for the user to look into."""
+    need_root()
+    cache.install(built[1])
+    host, dead = native._host(), _dead_pid()
+    foreign, own = cache.dir / f".building-{host}-{dead}-aa.so", cache.dir / f".building-{host}-{dead}-bb.so"
+    for p in (foreign, own):
+        p.write_bytes(b"partial")
+    os.chown(foreign, FOREIGN_UID, -1)
+    assert native.library() is not None
+    assert foreign.exists() and not own.exists()
+
+
+def test_missing_cache_directories_are_created_private_under_any_umask(cache, fake_compiler, monkeypatch):
+    """Under umask 000 the missing cache root and its parents (~/.cache, ~/.cache/fewbits)
+    were created 0777: writable by everybody."""
+    top = cache.root / "a"
+    monkeypatch.setenv("FEWBITS_CACHE", str(top / "b"))
+    before = os.umask(0)
+    try:
+        assert native.library() is not None, native.status()
+    finally:
+        os.umask(before)
+    for d in (top, top / "b", top / "b" / native.LIBRARY_DIR):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert stat.S_IMODE(cache.root.stat().st_mode) != 0o700, "an existing directory keeps its mode"
+
+
+def test_a_compiler_printing_bytes_that_are_not_utf8_is_a_failed_build(cache, tmp_path, monkeypatch):
+    """`cc --version` (or its errors) in bytes that are not UTF-8 raised UnicodeDecodeError out
+    of library() on every call."""
+    cc = tmp_path / "latin1-cc"
+    cc.write_bytes(b"#!/bin/sh\n[ \"$1\" = --version ] && { printf 'cc \\351 1.0\\n'; exit 0; }\n"
+                   b"printf 'erreur \\351\\n' >&2; exit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert native.library() is None
+    assert native.status()["reason"].startswith("build failed: ") and "erreur" in native.status()["reason"]
+
+
+def test_an_oversized_record_is_named_as_the_record(cache, built, fake_compiler):
+    cache.install(built[1], b"0" * 5000)
+    lib, st, warned = load_recording_warnings()
+    assert lib is not None and not warned and len(fake_compiler) == 1
+    assert "its SHA-256 record is larger than 100 bytes" in st["reason"], st
+    assert_verified(cache, built)
+
+
+def test_the_module_imports_and_falls_back_without_fcntl(tmp_path):
+    """native.py imported fcntl unconditionally: where there is none (Windows), importing
+    fewbits failed altogether instead of keeping the torch kernels."""
+    script = ("import sys; sys.modules['fcntl'] = None\n"
+              "from fewbits.kernels import native\n"
+              "assert native.library() is None\n"
+              "print(native.status()['reason'])\n")
+    env = dict(os.environ, FEWBITS_CACHE=str(tmp_path))
+    env.pop("FEWBITS_NATIVE", None)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fcntl" in r.stdout and not (tmp_path / native.LIBRARY_DIR).exists()

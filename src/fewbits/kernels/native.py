@@ -21,8 +21,9 @@ fewbits, so a library somebody else could write is a way into that user's accoun
 loader maps the file's segments, so a truncated library kills the process with SIGBUS when a
 page past its end is touched. Hence:
 
-- The directory is created 0700 and used only if it is a directory (not a symbolic link) owned
-  by the current user and not writable by group or others. It is checked on an open descriptor
+- The directory is created 0700 (and so are the missing directories above it, whatever the
+  umask) and used only if it is a directory (not a symbolic link) owned by the current user and
+  not writable by group or others. It is checked on an open descriptor
   (fstat) and every later step goes through that descriptor (the *at calls; the compiler runs
   with it as its working directory, chdir'ed to /proc/self/fd/N), so swapping a path after the
   check changes nothing: nobody else can add, replace or rename files inside it.
@@ -37,8 +38,9 @@ page past its end is touched. Hence:
   ones over it, which leaves a loaded library's inode as it was. The descriptor stays open while
   the library is loaded (for the process's life), so its /proc name is never reused for another
   file (the loader matches libraries by name).
-- Refused -- the directory fails its check, or the library or its record has another owner, is
-  writable by group or others or is not a regular file: library() is None, so every caller keeps
+- Refused -- the directory fails its check, or the library, its record or `.lock` has another
+  owner, is writable by group or others or is not a regular file (checked with lstat before it is
+  opened, so a socket, FIFO or device is never opened): library() is None, so every caller keeps
   its torch path, with one RuntimeWarning per path naming the path and the reason. Nothing is
   deleted then: a file of another owner in one's own directory is for the user to look into.
 - Corrupt -- no record, a malformed record, or bytes that do not hash to it (a truncated, empty
@@ -47,14 +49,16 @@ page past its end is touched. Hence:
   load sees the library and its record in pairs). A `.building-*` file is removed by the next load
   once its builder is certainly gone: its process (named in the file name, with the host) is
   dead on this host, or the file is older than STALE_BUILD_S, longer than any build runs. A
-  concurrent build's files -- another live process, or another host -- are left alone.
+  concurrent build's files -- another live process, or another host -- are left alone, and so
+  are files of another owner.
+- Where there is no /proc/self/fd or no fcntl (not Linux), nothing is loaded: the torch kernels
+  serve (the module imports anywhere).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
-import fcntl
 import hashlib
 import os
 import platform
@@ -70,6 +74,11 @@ import warnings
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): no checked load there, the torch kernels serve
+    fcntl = None
 
 SOURCES = ("rowquant.c", "lut4.c", "round32.c")
 HEADERS = ("vec16.h",)
@@ -149,7 +158,7 @@ def _sources() -> list[Path]:
 def _library_name(cc: str) -> str:
     """fewbits_native_<hash of sources, headers, compiler version, flags, CPU>.so"""
     src_dir = Path(__file__).with_name("csrc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace", timeout=30).stdout
     h = hashlib.sha256()
     for part in (*(s.read_bytes() for s in _sources()), *((src_dir / n).read_bytes() for n in HEADERS),
                  version.encode(), " ".join(CFLAGS + OPENMP_FLAGS).encode(), _cpu_flags().encode(),
@@ -167,12 +176,28 @@ def _check_owned(st: os.stat_result, path) -> None:
         raise _Refused(path, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
 
 
+def _make_dirs(path: Path) -> None:
+    """Create `path` and its missing parents 0700 (the XDG base directory rule; a umask only
+    takes bits away): under a umask of 000, Path.mkdir(parents=True) made them -- ~/.cache
+    included -- writable by everybody. Directories that exist keep their mode (a cache root may
+    be shared on purpose)."""
+    if path.is_dir():
+        return
+    if path.parent != path:
+        _make_dirs(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:  # made meanwhile by another process
+        if not path.is_dir():
+            raise
+
+
 def _open_dir() -> tuple[int, Path]:
     """(descriptor, path) of cache_dir(), created 0700 where missing, and checked on that
     descriptor: a directory, not a symbolic link, of the current user, not writable by group
     or others (else _Refused)."""
     root, path = _cache_root(), cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    _make_dirs(root)
     rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
@@ -200,11 +225,24 @@ def _open_dir() -> tuple[int, Path]:
     return fd, path
 
 
-def _open_checked(dfd: int, name: str, path) -> int | None:
+def _check_file(st: os.stat_result, path) -> None:
+    """Raise _Refused unless st is a regular file of the current user, not writable by group or
+    others."""
+    if stat.S_ISLNK(st.st_mode):
+        raise _Refused(path, "is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _Refused(path, "is not a regular file")
+    _check_owned(st, path)
+
+
+def _open_checked(dfd: int, name: str, path, flags: int = os.O_RDONLY) -> int | None:
     """A descriptor of the regular file `name` in the directory, owned by the current user and
-    not writable by group or others (else _Refused); None where there is none."""
+    not writable by group or others (else _Refused); None where there is none. Checked with
+    lstat before it is opened -- a socket cannot be opened, a device's open can act -- and again
+    on the descriptor, which is what counts."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        _check_file(os.stat(name, dir_fd=dfd, follow_symlinks=False), path)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -212,24 +250,21 @@ def _open_checked(dfd: int, name: str, path) -> int | None:
             raise _Refused(path, "is a symbolic link") from None
         raise
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _Refused(path, "is not a regular file")
-        _check_owned(st, path)
+        _check_file(os.fstat(fd), path)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _read_all(fd: int, limit: int) -> bytes:
-    """The file's bytes from offset 0 (_Corrupt past `limit`)."""
+def _read_all(fd: int, limit: int, what: str = "it") -> bytes:
+    """The file's bytes from offset 0 (_Corrupt past `limit`, saying `what` is larger)."""
     chunks, offset = [], 0
     while chunk := os.pread(fd, 1 << 20, offset):
         chunks.append(chunk)
         offset += len(chunk)
         if offset > limit:
-            raise _Corrupt(f"it is larger than {limit} bytes")
+            raise _Corrupt(f"{what} is larger than {limit} bytes")
     return b"".join(chunks)
 
 
@@ -245,7 +280,7 @@ def _open_verified(dfd: int, name: str, dir_path: Path) -> int | None:
         if rfd is None:
             raise _Corrupt("it has no SHA-256 record")
         try:
-            record = _read_all(rfd, 100)
+            record = _read_all(rfd, 100, "its SHA-256 record")
         finally:
             os.close(rfd)
         if not re.fullmatch(rb"[0-9a-f]{64}\n", record):
@@ -259,13 +294,30 @@ def _open_verified(dfd: int, name: str, dir_path: Path) -> int | None:
     return fd
 
 
+def _open_lock(dfd: int, dir_path: Path) -> int:
+    """A descriptor of `.lock` in the directory, created 0600 where missing; checked like the
+    library (else _Refused): a lock file of another owner -- left from a time the directory was
+    not private -- lets that owner hold every load for LOCK_WAIT_S, and one that is not a
+    regular file is not ours either."""
+    path = dir_path / ".lock"
+    while True:
+        fd = _open_checked(dfd, ".lock", path, os.O_RDWR)
+        if fd is not None:
+            return fd
+        try:
+            return os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                           dir_fd=dfd)
+        except FileExistsError:  # created meanwhile by another process: check that one
+            continue
+
+
 @contextlib.contextmanager
-def _dir_lock(dfd: int):
+def _dir_lock(dfd: int, dir_path: Path):
     """Hold the exclusive flock on `.lock` in the directory: one process at a time checks,
     builds and publishes. Where the file system has no flock, or another process held it past
     LOCK_WAIT_S, go on without: publishing is atomic and every load verifies anyway, so the
     lock only saves duplicate builds and spurious rebuilds."""
-    fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    fd = _open_lock(dfd, dir_path)
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
@@ -290,7 +342,7 @@ def _host() -> str:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: past any pid, so no process
         return False
     except PermissionError:
         return True  # another user's process
@@ -300,7 +352,7 @@ def _pid_alive(pid: int) -> bool:
 def _remove_stale_temps(dfd: int) -> None:
     """Remove the .building-* files of builds that are certainly over: their process is dead on
     this host, or they are older than STALE_BUILD_S. Others' (a concurrent build on this host or
-    another) stay."""
+    another) stay, and so do files of another owner: fewbits made none of them."""
     now, host = time.time(), _host()
     with os.scandir(dfd) as entries:
         names = [e.name for e in entries if e.name.startswith(TEMP_PREFIX)]
@@ -310,6 +362,8 @@ def _remove_stale_temps(dfd: int) -> None:
             continue  # not a name fewbits gives
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if st.st_uid != os.geteuid():
+                continue
             dead = m.group(1) == host and not _pid_alive(int(m.group(2)))
             if dead or now - st.st_mtime > STALE_BUILD_S:
                 os.unlink(name, dir_fd=dfd)
@@ -334,7 +388,7 @@ def _compile(cc: str, dfd: int, out_name: str) -> None:
     sources = [str(s) for s in _sources()]
     for extra in (OPENMP_FLAGS, ()):  # without OpenMP if the compiler has none
         r = subprocess.run([cc, *CFLAGS, *extra, "-o", out_name, *sources, "-lm"], cwd=f"{_FD_DIR}/{dfd}",
-                           capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+                           capture_output=True, text=True, errors="replace", timeout=COMPILE_TIMEOUT_S)
         if r.returncode == 0:
             return
     raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
@@ -373,12 +427,12 @@ def _build(cc: str, dfd: int, name: str) -> int:
 
 def _load(cc: str) -> tuple[ctypes.CDLL, Path, str]:
     """(the library, its path, a note) from the cache, built or rebuilt where needed."""
-    if not os.path.isdir(_FD_DIR):
-        raise RuntimeError(f"loading a checked library needs {_FD_DIR} (Linux)")
+    if fcntl is None or not os.path.isdir(_FD_DIR):
+        raise RuntimeError(f"loading a checked library needs {_FD_DIR} and fcntl (Linux)")
     name = _library_name(cc)
     dfd, dir_path = _open_dir()
     try:
-        with _dir_lock(dfd):
+        with _dir_lock(dfd, dir_path):
             _remove_stale_temps(dfd)
             note = ""
             try:
