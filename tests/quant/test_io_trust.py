@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import fewbits as fb
+from fewbits import atomic
 from fewbits.formats import FloatFormat, LookupFormat
 from fewbits.quant import QuantScheme, QuantizedTensor, quantize
 from fewbits.quant.model import quantize_model
@@ -311,7 +312,7 @@ def test_the_scheme_schema_covers_every_scheme_field():
 # temporary files: beside the target, one name pattern, removed on failure, stale ones cleaned
 # ---------------------------------------------------------------------------------------------
 def temps(directory, target="m.safetensors"):
-    return sorted(n for n in os.listdir(directory) if n.startswith(qio.temp_prefix(target)))
+    return sorted(n for n in os.listdir(directory) if n.startswith(atomic.temp_prefix(target)))
 
 
 def test_the_file_is_written_in_a_temporary_directory_beside_the_target(tmp_path, monkeypatch):
@@ -329,7 +330,7 @@ def test_the_file_is_written_in_a_temporary_directory_beside_the_target(tmp_path
     prefix = ".m.safetensors.fewbits-tmp-"
     assert os.path.dirname(tmpdir) == str(tmp_path) and listing == [os.path.basename(tmpdir)]
     assert os.path.basename(tmpdir).startswith(prefix)
-    assert qio._TEMP_RANDOM.fullmatch(os.path.basename(tmpdir)[len(prefix):])
+    assert atomic.TEMP_RANDOM.fullmatch(os.path.basename(tmpdir)[len(prefix):])
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
@@ -394,7 +395,7 @@ def test_a_killed_save_leaves_a_temporary_directory_that_the_next_save_removes(t
                     reason="no flock on this platform: stale files are not told from live ones")
 def test_a_save_in_progress_keeps_its_temporary_directory(tmp_path):
     # another process writing the same target holds the lock on its temporary directory
-    live = tmp_path / (qio.temp_prefix("m.safetensors") + "live0000")
+    live = tmp_path / (atomic.temp_prefix("m.safetensors") + "live0000")
     live.mkdir()
     (live / "m.safetensors").write_bytes(b"being written")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
@@ -417,7 +418,7 @@ def test_a_save_in_progress_keeps_its_temporary_directory(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to give a file away")
 def test_another_users_directory_of_the_pattern_is_left_alone(tmp_path):
-    foreign = tmp_path / (qio.temp_prefix("m.safetensors") + "theirs00")
+    foreign = tmp_path / (atomic.temp_prefix("m.safetensors") + "theirs00")
     foreign.mkdir()
     os.chown(foreign, 65534, 65534)
     fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")

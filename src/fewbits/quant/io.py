@@ -31,19 +31,12 @@ import hashlib
 import json
 import math
 import os
-import re
-import stat
-import tempfile
 from collections.abc import Mapping
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no locks, so stale temporary files are not told from live ones
-    fcntl = None
 
 import torch
 from torch import nn
 
+from ..atomic import replacing
 from ..formats import LookupFormat
 from ..kernels import unpack
 from .model import is_quantized, quantized_module, set_submodule
@@ -213,164 +206,9 @@ def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     save_file(tensors, path, metadata=metadata)
 
 
-TEMP_MARK = ".fewbits-tmp-"
-_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp puts after the prefix
-
-
-def temp_prefix(path) -> str:
-    """The name every temporary directory of save(..., path) starts with, beside the target:
-    ".<target name>.fewbits-tmp-", then 8 random characters (nothing after them)."""
-    return f".{os.path.basename(os.fspath(path))}{TEMP_MARK}"
-
-
 def _atomic_write(tensors: dict, path, metadata: dict) -> None:
-    """Write into a private temporary directory beside `path`, sync, rename the file over `path`.
-
-    A directory, not a file, because safetensors itself writes through a temporary file of its
-    own (".tmpXXXXXX" beside the name it is given, then renamed): inside our directory that one
-    is ours to clean up too. The directory is removed on any failure (KeyboardInterrupt
-    included). A process killed outright (SIGKILL, power loss) cannot remove it, so each save
-    first removes what earlier saves of the same target left that nobody is writing any more: a
-    writer holds an exclusive flock on its directory from creation to the end, which the kernel
-    drops when the process dies, so an unlocked directory of ours with our name is stale."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = temp_prefix(path)
-    _remove_stale_temps(directory, prefix)
-    fd, tmpdir = _locked_temp_dir(directory, prefix)
-    tmp = os.path.join(tmpdir, os.path.basename(path))
-    try:
-        try:
-            _write_safetensors(tensors, tmp, metadata)
-            sync_fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(sync_fd)
-            finally:
-                os.close(sync_fd)
-            os.chmod(tmp, 0o666 & ~_umask())  # private so far; give it a normal file's mode
-            os.replace(tmp, path)
-        finally:
-            _remove_temp_dir(tmpdir)
-    finally:
-        if fd is not None:
-            os.close(fd)  # drops the lock
-    _fsync_directory(directory)
-
-
-def _locked_temp_dir(directory: str, prefix: str) -> tuple[int | None, str]:
-    """(fd holding an exclusive flock on it, or None without flock; path) of a new empty
-    private directory. The lock is taken right after creation; should a cleaner in another
-    process have taken the directory for stale in between (it removes it before letting go),
-    another name is tried."""
-    while True:
-        tmpdir = tempfile.mkdtemp(dir=directory, prefix=prefix)
-        if fcntl is None:  # no locks (and a directory may not open as a file there)
-            return None, tmpdir
-        try:
-            fd = os.open(tmpdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except BaseException:
-            _remove_temp_dir(tmpdir)
-            raise
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:  # a file system without locks: cleaners cannot lock it either, so skip it
-                return fd, tmpdir
-            if _same_inode(fd, tmpdir):
-                return fd, tmpdir
-        except BaseException:
-            os.close(fd)
-            _remove_temp_dir(tmpdir)
-            raise
-        os.close(fd)
-
-
-def _same_inode(fd: int, path: str) -> bool:
-    """Whether `path` still names the file or directory open as `fd`."""
-    try:
-        now = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    st = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _remove_temp_dir(tmpdir: str) -> None:
-    """Remove a temporary directory of save() and the files in it (best effort: the error that
-    got us here matters more). Only its own entries: files and links, never a subdirectory."""
-    try:
-        names = os.listdir(tmpdir)
-    except OSError:
-        return
-    for name in names:
-        full = os.path.join(tmpdir, name)
-        try:
-            if not stat.S_ISDIR(os.lstat(full).st_mode):
-                os.remove(full)
-        except OSError:
-            pass
-    try:
-        os.rmdir(tmpdir)
-    except OSError:
-        pass
-
-
-def _remove_stale_temps(directory: str, prefix: str) -> None:
-    """Remove the temporary directories named `prefix` + 8 random characters in `directory`
-    that are owned by this user and locked by no writer (see _atomic_write). Without flock (not
-    POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
-    if fcntl is None:
-        return
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(prefix) and _TEMP_RANDOM.fullmatch(name[len(prefix):])):
-            continue
-        full = os.path.join(directory, name)
-        try:
-            seen = os.lstat(full)
-            if not stat.S_ISDIR(seen.st_mode) or seen.st_uid != os.getuid():
-                continue  # only directories of ours are opened at all
-            fd = os.open(full, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a save in progress
-            if _same_inode(fd, full):
-                _remove_temp_dir(full)
-        finally:
-            os.close(fd)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would, racing other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable; not every platform can open a directory."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with replacing(path) as tmp:
+        _write_safetensors(tensors, tmp, metadata)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,11 +31,11 @@ import hashlib
 import inspect
 import io
 import os
-import secrets
 import struct
 
 import torch
 
+from ..atomic import replacing
 from .fp8 import ScaledCast
 from .optim import PackedState, check_packed_dict
 from .scaler import LossScaler
@@ -352,8 +352,9 @@ def _apply(engine, state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(engine, path: str | os.PathLike, extra: dict | None = None) -> None:
     """Write the engine's state (and `extra`, e.g. the data loader's RNG state: plain Python
-    values and tensors) to `path`, atomically: a temporary file beside it replaces it once
-    complete and synced. The engine is not changed."""
+    values and tensors) to `path`, atomically (fewbits.atomic.replacing: a killed save leaves
+    nothing that looks finished, and the next save of `path` removes its leftovers). The engine
+    is not changed."""
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
     state = engine_state(engine)
@@ -364,23 +365,10 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: dict | None = None) 
     fields = _FIELDS.pack(VERSION, len(payload))
     digest = hashlib.sha256(fields)
     digest.update(payload)
-    path = os.fspath(path)
-    directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.fewbits-tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # a normal file's mode (umask)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with replacing(path) as tmp:
+        with open(tmp, "wb") as f:
             f.write(MAGIC + fields + digest.digest())
             f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def read_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
