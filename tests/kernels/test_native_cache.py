@@ -540,3 +540,32 @@ def test_the_module_imports_and_falls_back_without_fcntl(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "fcntl" in r.stdout and not (tmp_path / native.LIBRARY_DIR).exists()
+
+
+POISON_SCRIPT = textwrap.dedent("""
+    import ctypes, os, sys
+    from fewbits.kernels import native
+    # another component loads a library as /proc/self/fd/N for the next N's, then closes them
+    fds = [os.open(sys.argv[1], os.O_RDONLY) for _ in range(64)]
+    for fd in fds:
+        ctypes.CDLL(f"/proc/self/fd/{fd}")
+    for fd in fds:
+        os.close(fd)
+    lib = native.library()
+    assert lib is not None, native.status()
+    assert lib.fb_round32_vectorized() in (0, 1)
+    print("ok")
+""")
+
+
+def test_a_proc_fd_name_another_library_was_loaded_under_is_not_ours(cache, built, planted, tmp_path):
+    """The loader matches libraries by name first: once another component had loaded a library
+    as /proc/self/fd/N and closed N, dlopen of our verified file as /proc/self/fd/N returned
+    that other library (seen: 'undefined symbol: fb_row_absmax', or its code called as ours)."""
+    cache.install(built[1])
+    other = tmp_path / "other.so"
+    other.write_bytes(planted)  # its constructor writes nothing: no marker in this environment
+    env = {k: v for k, v in os.environ.items() if k not in ("FEWBITS_TEST_MARKER", "FEWBITS_NATIVE")}
+    r = subprocess.run([sys.executable, "-c", POISON_SCRIPT, str(other)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["ok"], (r.stdout, r.stderr[-2000:])

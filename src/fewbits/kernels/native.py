@@ -37,7 +37,9 @@ page past its end is touched. Hence:
   was checked on that descriptor), and fewbits never writes into a published file: it renames new
   ones over it, which leaves a loaded library's inode as it was. The descriptor stays open while
   the library is loaded (for the process's life), so its /proc name is never reused for another
-  file (the loader matches libraries by name).
+  file (the loader matches libraries by name); a name under which the loader already has a
+  library that fewbits did not load (another component's, its descriptor since closed) is passed
+  over for a higher descriptor number.
 - Refused -- the directory fails its check, or the library, its record or `.lock` has another
   owner, is writable by group or others or is not a regular file (checked with lstat before it is
   opened, so a socket, FIFO or device is never opened): library() is None, so every caller keeps
@@ -104,6 +106,7 @@ _lock = threading.Lock()
 _state: dict = {}  # "lib": the CDLL or None, "reason": why not, "path": the library file
 _local = threading.local()
 _held_fds: list[int] = []  # descriptors of the loaded libraries: open for the process's life
+_handles: set[int] = set()  # the dlopen handles of the libraries loaded by _dlopen_fd
 _warned: set[str] = set()  # paths a refusal was warned about (once per process)
 
 
@@ -443,14 +446,37 @@ def _load(cc: str) -> tuple[ctypes.CDLL, Path, str]:
                 fd = _build(cc, dfd, name)
     finally:
         os.close(dfd)
+    lib = _dlopen_fd(fd)  # the very file whose bytes were hashed
+    _declare(lib)
+    return lib, dir_path / name, note
+
+
+def _dlopen_fd(fd: int) -> ctypes.CDLL:
+    """ctypes.CDLL of the file of `fd` as /proc/self/fd/N; takes over fd (held once loaded,
+    closed otherwise). The loader looks a library up by name before it opens anything, so a
+    library that another component loaded as /proc/self/fd/N, its descriptor since closed and N
+    now ours, would come back in place of ours, unchecked. So a name under which the loader
+    already has a library (RTLD_NOLOAD) that fewbits did not load is passed over: the descriptor
+    moves to the next higher number (up to the descriptor limit, then OSError). One that fewbits
+    loaded before can only be the same inode (fewbits' names stay held), just verified again."""
     try:
-        lib = ctypes.CDLL(f"{_FD_DIR}/{fd}")  # the very file whose bytes were hashed
+        while True:
+            path = f"{_FD_DIR}/{fd}"
+            try:
+                found = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)._handle
+            except OSError:  # nothing loaded under that name or from that inode
+                found = None
+            if found is None or found in _handles:
+                break
+            fd, old = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, fd + 1), fd
+            os.close(old)
+        lib = ctypes.CDLL(path)
     except BaseException:
         os.close(fd)
         raise
     _held_fds.append(fd)  # loaded: its /proc name must stay this file's
-    _declare(lib)
-    return lib, dir_path / name, note
+    _handles.add(lib._handle)
+    return lib
 
 
 def _warn_refused(e: _Refused) -> None:
