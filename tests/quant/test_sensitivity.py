@@ -253,16 +253,46 @@ CANDIDATES = [
 
 @pytest.fixture(scope="module")
 def tiny_sensitivity():
-    from fewbits.models.tiny import tiny_task
+    from fewbits.models.tiny import tiny_charlm_model, tiny_task, train_classifier
     task = tiny_task(0)
     x, y = task.train
-    calibration = [(x[i:i + 1000], y[i:i + 1000]) for i in range(0, 4000, 1000)]
-    table = layer_sensitivity(task.model, CANDIDATES, calibration, loss_fn=_ce, input_fn=lambda b: b[0],
-                              embeddings=True)
+    threads = torch.get_num_threads()  # a module fixture runs before the one_thread fixture
+    torch.set_num_threads(1)
+    try:
+        # The tiny task's model trained again, in float64, then cast to float32: trained in float32,
+        # its 600 Adam steps grow the last-bit differences between CPU kernel sets (MKL's sgemm,
+        # ATen's vector code) into another model on every kind of CPU (weights up to 76 % apart,
+        # ATEN_CPU_CAPABILITY=avx2 against avx512); in float64 they stay within 5e-15 and the
+        # float32 weights come out bit for bit the same under avx2 and avx512, with MKL's own
+        # kernels and with MKL_ENABLE_INSTRUCTIONS=AVX2. (ATEN_CPU_CAPABILITY=default, a CPU
+        # without AVX2, draws other initial weights, so it gets another model.)
+        model = train_classifier(tiny_charlm_model(0).double(), x, y, seed=0).float().eval()
+        task = task._replace(model=model)
+        # all 40,000 training windows: with 4,000 the measured loss increases were off by up to
+        # 0.007 in the allocation's predicted gain, enough to pick a plan 0.009 worse than the best
+        calibration = [(x[i:i + 5000], y[i:i + 5000]) for i in range(0, len(x), 5000)]
+        table = layer_sensitivity(task.model, CANDIDATES, calibration, loss_fn=_ce, input_fn=lambda b: b[0],
+                                  embeddings=True)
+    finally:
+        torch.set_num_threads(threads)
     return task, table
 
 
-@pytest.mark.parametrize("uniform_label, min_gain", [("int3g32", 0.04), ("int4c", 0.01)])
+# (uniform scheme, least gain in mean cross-entropy on the 8,000 held-out windows). Measured gains:
+#                                        int3g32        int4g32
+#   this model, under 6 kernel sets (*)  0.076 (0.079)  0.0095 (0.0155)  (brackets: avx2-less)
+#   16 other models: seeds 1-7 trained   0.047 - 0.104  0.0045 - 0.033, and 0.0016 once
+#   in float64 and in float32, seed 0 in float32 under the 6 kernel sets
+# For one model the gain is the same under every kernel set to 0.0001, and the allocation's plan is
+# the best of all 6^4 plans within the budget measured on the eval windows themselves (for the
+# float32 models: within 0.002 of it, 0.007 once). Not at int4c's budget, which this test used
+# before: there uniform int4c is often that best plan itself (for seed 0 trained in float32, under
+# four of the six kernel sets), the allocation's predicted edge is of the size of its prediction
+# error, and it measured from 0.017 worse to 0.045 better by model; asking it to win there by 0.01
+# passed or failed by the model, which the CPU decided.
+# (*) ATEN_CPU_CAPABILITY=avx2 / avx512 / default, MKL_ENABLE_INSTRUCTIONS=AVX2 with avx512 and
+# with avx2, MKL_ENABLE_INSTRUCTIONS=SSE4_2 with default. oneDNN's AMX (ONEDNN_MAX_CPU_ISA) changed nothing.
+@pytest.mark.parametrize("uniform_label, min_gain", [("int3g32", 0.04), ("int4g32", 0.004)])
 def test_allocation_beats_uniform_at_the_same_budget(tiny_sensitivity, uniform_label, min_gain):
     task, table = tiny_sensitivity
     ex, ey = task.eval
