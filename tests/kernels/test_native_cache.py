@@ -569,3 +569,20 @@ def test_a_proc_fd_name_another_library_was_loaded_under_is_not_ours(cache, buil
     r = subprocess.run([sys.executable, "-c", POISON_SCRIPT, str(other)], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["ok"], (r.stdout, r.stderr[-2000:])
+
+
+def test_a_relative_compiler_path_builds(cache, built, tmp_path, monkeypatch):
+    """CC=./cc (or a relative PATH entry) was run relative to the cache directory, where the
+    compile runs: 'No such file or directory', and no library."""
+    good = tmp_path / "good.so"
+    good.write_bytes(built[1])
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "cc").write_text(WRAPPER_CC.replace('echo partial > "$out"\nexec sleep 300', f'cp {good} "$out"'))
+    (bindir / "cc").chmod(0o755)
+    monkeypatch.chdir(bindir)
+    monkeypatch.setenv("CC", "./cc")
+    lib, st, warned = load_recording_warnings()
+    assert lib is not None and not warned, st
+    # the library's name hashes this compiler's --version: another name than the real build's
+    assert Path(st["path"]).parent == cache.dir and Path(st["path"]).read_bytes() == built[1]

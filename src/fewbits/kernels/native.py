@@ -149,8 +149,11 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str | None:
+    """The compiler's absolute path: it runs in the cache directory, where a relative one (CC=./cc,
+    or a relative entry of PATH) would name another file or none."""
     cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
+    found = shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
+    return os.path.abspath(found) if found else None
 
 
 def _sources() -> list[Path]:
