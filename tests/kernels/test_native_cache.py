@@ -586,3 +586,49 @@ def test_a_relative_compiler_path_builds(cache, built, tmp_path, monkeypatch):
     assert lib is not None and not warned, st
     # the library's name hashes this compiler's --version: another name than the real build's
     assert Path(st["path"]).parent == cache.dir and Path(st["path"]).read_bytes() == built[1]
+
+
+KILLED_OPENMP_CC = """#!/bin/sh
+# a compiler whose OpenMP compile dies ({how}); without OpenMP it gives the good bytes
+out=""
+prev=""
+omp=""
+for a in "$@"; do
+  [ "$prev" = "-o" ] && out="$a"
+  [ "$a" = "-fopenmp" ] && omp=1
+  prev="$a"
+done
+[ -n "$out" ] || {{ echo "fake cc 1.0"; exit 0; }}
+[ -n "$omp" ] && {{ {action}; }}
+cp {good} "$out"
+"""
+
+
+@pytest.mark.parametrize("how, action", [("killed", "kill -KILL $$"),
+                                         ("internal compiler error", "echo 'cc1: Killed' >&2; exit 4")],
+                         ids=["killed", "internal compiler error"])
+def test_a_killed_compile_is_a_failed_build_not_a_library_without_openmp(how, action, cache, built, tmp_path,
+                                                                         monkeypatch):
+    """A compile killed (out of memory, a signal) was taken for a compiler without OpenMP: the
+    build was retried without it and cached for good under the library's name."""
+    good = tmp_path / "good.so"
+    good.write_bytes(built[1])
+    cc = tmp_path / "cc"
+    cc.write_text(KILLED_OPENMP_CC.format(how=how, action=action, good=good))
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert native.library() is None
+    assert native.status()["reason"].startswith("build failed: "), native.status()
+    assert sorted(p.name for p in cache.dir.iterdir()) == [".lock"], "nothing is cached, nothing left"
+
+
+def test_a_compiler_without_openmp_still_builds(cache, built, tmp_path, monkeypatch):
+    good = tmp_path / "good.so"
+    good.write_bytes(built[1])
+    cc = tmp_path / "cc"
+    cc.write_text(KILLED_OPENMP_CC.format(how="no OpenMP", good=good,
+                                          action="echo 'unrecognized option -fopenmp' >&2; exit 1"))
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert native.library() is not None, native.status()
+    assert Path(native.status()["path"]).read_bytes() == built[1]

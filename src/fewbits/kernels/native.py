@@ -395,9 +395,13 @@ def _compile(cc: str, dfd: int, out_name: str) -> None:
     for extra in (OPENMP_FLAGS, ()):  # without OpenMP if the compiler has none
         r = subprocess.run([cc, *CFLAGS, *extra, "-o", out_name, *sources, "-lm"], cwd=f"{_FD_DIR}/{dfd}",
                            capture_output=True, text=True, errors="replace", timeout=COMPILE_TIMEOUT_S)
-        if r.returncode == 0:
-            return
-    raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        if r.returncode != 1:
+            # 0: built. Killed (< 0) or crashed (gcc's 4: a cc1 killed out of memory) is no sign
+            # of a compiler without OpenMP: retried without it, the build would be cached for
+            # good under the library's name without its threads
+            break
+    if r.returncode != 0:
+        raise RuntimeError(f"{cc} failed (exit status {r.returncode}): {(r.stderr or r.stdout).strip()[-400:]}")
 
 
 def _build(cc: str, dfd: int, name: str) -> int:
