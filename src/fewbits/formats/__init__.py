@@ -4,10 +4,12 @@ from .floats import SPECIALS, FloatFormat
 from .integers import IntFormat
 from .lookup import NF4_VALUES, LookupFormat
 from .reference import MODE_PRESETS, MODES, check_mode, decode_value, encode_value, round_value
-from .registry import aliases_of, describe, get_format, list_formats, register
+from .registry import (
+    FLOAT_DTYPES, aliases_of, describe, get_format, list_formats, normalize_name, register, torch_dtype,
+)
 
 __all__ = [
     "Format", "FloatFormat", "IntFormat", "LookupFormat", "NF4_VALUES", "SPECIALS", "MODES", "MODE_PRESETS",
-    "OVERFLOW_POLICIES", "OVERFLOW_PRESETS", "get_format", "list_formats", "register", "describe", "aliases_of",
+    "OVERFLOW_POLICIES", "OVERFLOW_PRESETS", "get_format", "list_formats", "register", "torch_dtype", "normalize_name", "FLOAT_DTYPES", "describe", "aliases_of",
     "round_value", "encode_value", "decode_value", "check_mode",
 ]

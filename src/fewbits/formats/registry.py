@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 import re
 
+import torch
+
 from .base import Format
 from .floats import FloatFormat
 from .integers import IntFormat
@@ -131,6 +133,20 @@ def get_format(name) -> Format:
     hint = f"; did you mean {', '.join(names)}?" if names else ""
     raise ValueError(f"unknown format {name!r}{hint} (fewbits.list_formats() lists them all; "
                      "any eXmY[fn|fnuz|finite] or intN/uintN name also works)")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the value dtypes fewbits takes
+
+# the torch dtypes whose values are exactly a format's: the one map between the two vocabularies
+# (get_format(dtype) goes the other way)
+_TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(fmt) -> torch.dtype | None:
+    """The torch dtype that stores exactly the values of `fmt` (fp64, fp32, bf16, fp16), or None
+    where torch has no such floating dtype (tf32, fp8 and narrower are emulated or stored as codes)."""
+    name = _TORCH_DTYPES.get(get_format(fmt).name)
+    return None if name is None else getattr(torch, name)
 
 
 def _dtype_name(obj) -> str:
