@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from .formats import torch_dtype
 from .kernels import native
 
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -245,7 +246,7 @@ def _operands(dtype: str, m: int, n: int, k: int, device: torch.device):
         a, b = rnd(m, k), rnd(k, n)
         return "torch.mm", lambda: torch.mm(a, b)
     if dtype in ("bf16", "fp16"):
-        dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+        dt = torch_dtype(dtype)
         a, b = rnd(m, k).to(dt), rnd(k, n).to(dt)
         return "torch.mm", lambda: torch.mm(a, b)
     if dtype == "int8":

@@ -55,3 +55,10 @@ def test_bad_policies(kw, match):
         Policy(**kw)
     with pytest.raises(ValueError, match="unknown policy preset"):
         Policy.preset("bf16-mixd")
+
+
+def test_preset_names_follow_the_format_spelling_rule():
+    for spelling in ("bf16-mixed", "BF16_Mixed", "bf16 mixed", "bf16.mixed", " bf16mixed "):
+        assert Policy.preset(spelling).name == "bf16-mixed"
+    with pytest.raises(ValueError, match="unknown policy preset"):
+        Policy.preset("bf16-mixd")

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ..formats import FloatFormat, LookupFormat, get_format
+from ..formats import LookupFormat, get_format, torch_dtype
 from ..kernels import decode, native, pack, unpack
 from .scales import divide, reciprocal
 
@@ -347,9 +347,6 @@ def byte_table(fmt, device: torch.device | str = "cpu") -> torch.Tensor:
     return value_table(fmt)[codes].contiguous()
 
 
-_TORCH_16BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.Tensor:
     """float32 values of `count` element codes starting at element `start` of a QuantizedTensor's
     stored codes (packed low-first bytes for formats of up to 8 bits, int16 bit patterns for
@@ -358,7 +355,7 @@ def decode_codes(codes: torch.Tensor, fmt, count: int, start: int = 0) -> torch.
     bits = fmt.bits
     if bits > 8:
         c = codes[start:start + count]
-        native = _TORCH_16BIT.get(fmt.name) if isinstance(fmt, FloatFormat) else None
+        native = torch_dtype(fmt) if bits == 16 else None
         if native is not None and get_format(fmt.name) == fmt:
             return c.view(native).to(torch.float32)
         return decode(c.to(torch.int64) & 0xFFFF, fmt, dtype=torch.float32)

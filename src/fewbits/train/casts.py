@@ -11,22 +11,22 @@ from typing import Callable
 
 import torch
 
-from ..formats import get_format
+from ..formats import get_format, torch_dtype
 from ..kernels import round as fb_round
 
-_NATIVE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def native_dtype(fmt_name: str) -> torch.dtype | None:
-    """The torch dtype that stores exactly the values of a format, if there is one."""
-    return _NATIVE.get(get_format(fmt_name).name)
+def native_dtype(fmt_name) -> torch.dtype | None:
+    """The torch dtype that stores exactly the values of a format, if there is one and training
+    computes in it: fp32, bf16, fp16 (fp64 is not one: a float32 model's values are fp64 values
+    already, so an fp64 role is no cast)."""
+    dtype = torch_dtype(fmt_name)
+    return None if dtype == torch.float64 else dtype
 
 
 def round_to(x: torch.Tensor, fmt, mode: str = "nearest_even", overflow: str | None = None,
              generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x rounded to the values of `fmt`, in x's dtype (into `out` if given)."""
     fmt = get_format(fmt)
-    target = _NATIVE.get(fmt.name)
+    target = native_dtype(fmt)
     if target is not None and x.dtype != torch.float64 and mode != "stochastic":
         if target == x.dtype or (target == torch.float32 and x.is_floating_point()):
             # every value of x is already a value of the format

@@ -48,9 +48,6 @@ from .scaler import LossScaler
 from .shards import is_dtensor, local
 from .telemetry import Telemetry
 
-_DTYPE_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def _matmul_inputs() -> dict:
     table = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1),
              torch.Tensor.__matmul__: (0, 1), torch.Tensor.__rmatmul__: (0, 1), torch.mm: (0, 1),
@@ -135,7 +132,7 @@ class Engine:
         pol = self.policy
         self.compute_dtype = native_on(self.device, pol.activations) or torch.float32
         self.storage_dtype = native_on(self.device, pol.weights) or torch.float32
-        compute_fmt = _DTYPE_FORMAT[self.compute_dtype]
+        compute_fmt = get_format(self.compute_dtype).name
         self.weights_fmt = get_format(pol.weights)
         self.cast_forward = get_format(pol.forward).name != compute_fmt or pol.fp8_recipe != "none"
         self.cast_backward = get_format(pol.backward).name != compute_fmt or pol.fp8_recipe != "none"
@@ -216,7 +213,7 @@ class Engine:
                     self.entries.append(entry)
                     continue
                 lowp = not fp32 and (pol.master is not None or self.storage_dtype != p.dtype
-                                     or self.weights_fmt.name != _DTYPE_FORMAT.get(p.dtype))
+                                     or p.dtype != native_dtype(self.weights_fmt))
                 if not lowp or not p.is_floating_point():
                     done[id(p)] = p
                     self.plain_params.append((full, p))

@@ -21,7 +21,7 @@ import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
-from ..formats import MODES, get_format
+from ..formats import MODES, get_format, normalize_name
 
 LOSS_SCALING = ("none", "static", "dynamic")
 FP8_RECIPES = ("none", "current", "delayed", "mx")
@@ -101,9 +101,10 @@ class Policy:
     @classmethod
     def preset(cls, name: str) -> Policy:
         """A named policy: fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, fp8-hybrid-unscaled,
-        mxfp8, bf16-pure, bf16-pure-sr, bf16-pure-kahan, fp16-mixed-unscaled."""
-        key = name.strip().lower().replace("_", "-")
-        if key not in PRESETS:
+        mxfp8, bf16-pure, bf16-pure-sr, bf16-pure-kahan, fp16-mixed-unscaled. Spelled as format
+        names are (fewbits.formats.normalize_name: case, spaces, '_', '-' and '.' do not count)."""
+        key = {normalize_name(n): n for n in PRESETS}.get(normalize_name(name.strip()))
+        if key is None:
             raise ValueError(f"unknown policy preset {name!r}; choose one of {', '.join(PRESETS)}")
         return PRESETS[key]
 
