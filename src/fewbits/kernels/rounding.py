@@ -7,15 +7,13 @@ import math
 import numpy as np
 import torch
 
-from ..formats import FloatFormat, IntFormat, LookupFormat, check_mode, get_format
+from ..formats import FLOAT_DTYPES, FloatFormat, IntFormat, LookupFormat, check_mode, get_format
 from . import dtypes
 from . import floatround as fr
 from . import native_round
 from .arguments import check_dense, check_generator, check_out
 from .lookupround import lookup_indices, round_lookup
 from .random import draw_seed
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +56,7 @@ def _reject_dtype(dtype, what):
 
 
 def _check_float(t: torch.Tensor, what="x"):
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         _reject_dtype(t.dtype, what)
 
 
