@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .formats import get_format
+from ..formats import get_format
 
 COMPONENTS = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "kv_cache",
               "workspace")
@@ -468,7 +468,7 @@ class _PolicyFields:
 
 def _policy_fields(policy) -> _PolicyFields:
     try:
-        from .train import Policy
+        from ..train import Policy
     except ImportError:  # train not built yet: the preset table above
         Policy = None
     if Policy is not None and isinstance(policy, str):
@@ -526,10 +526,10 @@ def _scheme_precision(scheme, mode: str, rest_format: str, name: str | None = No
     included: int4 is 4.25 bits (groups of 128, fp32 scales), nf4 4.5. A preset that is a plain
     cast (bf16, fp16) and a float format without a preset (fp32, tf32, fp64, e3m2) are plain
     storage of every parameter. Integer and codebook formats always come with scales."""
-    from .formats import FloatFormat
+    from ..formats import FloatFormat
 
     try:
-        from .quant import get_scheme
+        from ..quant import get_scheme
     except ImportError as exc:
         raise ValueError(f"{scheme!r}: quantization schemes need fewbits.quant ({exc})") from None
     fmt = qs = None
@@ -1156,7 +1156,7 @@ def measure_training_step(model: nn.Module, inputs: dict, policy="fp32", *, opti
     dev = next(model.parameters()).device
     opt_name = str(optimizer).lower()
     if runtime == "fewbits":
-        from .train import Engine
+        from ..train import Engine
 
         model.train()
         opt = _make_optimizer(opt_name, model.parameters(), lr)
