@@ -17,7 +17,7 @@ import sys
 import tempfile
 from fractions import Fraction
 
-from . import __version__
+from ._version import __version__
 from .formats import MODES, OVERFLOW_POLICIES, OVERFLOW_PRESETS, get_format, list_formats
 from .formats.explain import (
     binade_table, code_table, exact_decimal, explain, format_summary, jsonable, value_formula,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from .report import write_report
 
 PARTS = ("formats", "memory", "speed", "quant", "train")
