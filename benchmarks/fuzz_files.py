@@ -116,7 +116,7 @@ class _Targets:
 
         import fewbits as fb
         from fewbits.quant import quantize
-        from fewbits.quant.io import FileFormatError
+        from fewbits.files import FileFormatError
         from fewbits.quant.model import quantize_model
         from fewbits.train import Engine, load_checkpoint, save_checkpoint
         from fewbits.train import checkpoint as ckpt

@@ -4,21 +4,20 @@
 # unnoticed (or failed later as numpy's "cannot load module more than once per process").
 import numpy  # noqa: F401
 
+from ._version import __version__  # noqa: F401
 from .formats import (
     MODES, OVERFLOW_POLICIES, FloatFormat, Format, IntFormat, LookupFormat, get_format, list_formats,
 )
 from .formats.explain import explain
 from .kernels import decode, encode, pack, round, unpack, use_backend
 from .quant import QuantizedTensor, QuantScheme, get_scheme, list_schemes, quantize
-from .quant.io import load, save
 from .quant.model import model_nbytes, quantize_model
 from .quant.modules import QuantEmbedding, QuantLinear
 from .quant.qat import convert_qat, prepare_qat
 from .quant.sensitivity import allocate_bits, apply_allocation, layer_sensitivity
 from .train import Engine, LossScaler, Policy
 from .memory import estimate_memory
-
-__version__ = "0.1.0"
+from .files import load, save
 
 __all__ = [
     # formats and kernels

@@ -1,4 +1,4 @@
-"""Quantization: schemes, quantized tensors, quantized modules, model-level tools, file I/O."""
+"""Quantization: schemes, quantized tensors, quantized modules, model-level tools (files are in fewbits.files)."""
 from .scheme import QuantScheme, get_scheme, list_schemes
 from .tensor import QuantizedTensor, quantize
 

@@ -36,12 +36,14 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .._version import __version__
 from ..atomic import replacing
 from ..formats import LookupFormat
 from ..kernels import unpack
-from .model import is_quantized, quantized_module, set_submodule
-from .scheme import QuantScheme
-from .tensor import STATE_KEYS, QuantizedTensor, expected_keys
+from ..quant.model import is_quantized, quantized_module, set_submodule
+from ..quant.modules import QuantEmbedding
+from ..quant.scheme import QuantScheme
+from ..quant.tensor import STATE_KEYS, QuantizedTensor, expected_keys
 
 FORMAT_MARKER = "fewbits"
 FORMAT_VERSION = 1
@@ -77,7 +79,6 @@ def save(obj, path) -> None:
         content, tensors, meta = "tensors", *_dict_entries(obj)
     else:
         raise TypeError(f"save() takes an nn.Module, a QuantizedTensor or a dict of them, got {type(obj).__name__}")
-    from .. import __version__
     metadata = {"format": FORMAT_MARKER, "version": str(FORMAT_VERSION), "content": content,
                 "fewbits_version": __version__}
     metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
@@ -122,7 +123,6 @@ def _add(tensors: dict, key: str, t: torch.Tensor) -> None:
 
 
 def _module_kind(module: nn.Module) -> str:
-    from .modules import QuantEmbedding  # modules sits beside io; imported lazily like model.py does
     return "embedding" if isinstance(module, (QuantEmbedding, nn.Embedding)) else "linear"
 
 

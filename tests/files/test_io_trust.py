@@ -21,9 +21,9 @@ from fewbits import atomic
 from fewbits.formats import FloatFormat, LookupFormat
 from fewbits.quant import QuantScheme, QuantizedTensor, quantize
 from fewbits.quant.model import quantize_model
-from fewbits.quant import io as qio
+from fewbits.files import safetensors_format as qio
 from fewbits.quant import lowbit_ops as ops
-from fewbits.quant.io import FileFormatError
+from fewbits.files import FileFormatError
 from fewbits.quant.modules import QuantLinear
 
 from test_io import assert_unchanged, fresh_model, rewrite, snapshot, trained_quantized
@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_child(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter: a crash there (SIGSEGV) fails the test instead of
     killing pytest."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests", "quant"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests", "files"),
                                                         os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -355,7 +355,8 @@ def test_keyboard_interrupt_during_save_removes_the_temporary_files(tmp_path, mo
 KILLED_SAVE = """
     import os, signal, torch, fewbits as fb
     import safetensors.torch
-    from fewbits.quant import io as qio, quantize
+    from fewbits.files import safetensors_format as qio
+    from fewbits.quant import quantize
     real = safetensors.torch.save_file
     def killed(tensors, path, metadata=None):
         if {midway!r}:

@@ -13,8 +13,8 @@ from torch.nn import functional as F
 
 import fewbits as fb
 from fewbits.quant import QuantizedTensor, get_scheme, quantize
-from fewbits.quant import io as qio
-from fewbits.quant.io import FileFormatError
+from fewbits.files import safetensors_format as qio
+from fewbits.files import FileFormatError
 from fewbits.quant.model import is_quantized, quantize_model, quantized_module
 from fewbits.quant.modules import QuantEmbedding, QuantLinear
 
