@@ -40,19 +40,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..formats import IntFormat
-from ..kernels import decode, encode, round as fb_round
+from ..formats import FLOAT_DTYPES, IntFormat
+from ..kernels import round as fb_round
 from . import scales as sc
 from .lowbit_ops import one_thread
 from .model import _progress
 from .scheme import QuantScheme, get_scheme
-from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, to_groups
+from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, rounding_generator, to_groups
 
 __all__ = ["GPTQResult", "gptq_solve", "gptq_quantize_weight", "hessian_error", "collect_hessians",
            "gptq_quantize_model"]
 
 _DAMP_RETRIES = 6
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ class _Grid:
         else:
             self._int_range = None
         if gran == "nvfp4":  # the float32 tensor scale always comes from the whole original tensor
-            self.tensor_scale, _, _ = sc.nvfp4_scales(to_groups(W, scheme)[0], scheme)
+            self.tensor_scale = sc.nvfp4_tensor_scale(to_groups(W, scheme)[0], scheme)
         if self.static:
             self._set_static(W)
 
@@ -109,70 +108,34 @@ class _Grid:
             one = torch.ones(self.rows, device=W.device)
             self.inv[0] = self.scale[0] = one
             return
-        qt = quantize(W, self.nearest)  # the scheme's own scale rule on the original weights
-        values = qt.scale_values().expand(self.rows, self.n_groups)  # per-tensor: [1, 1]
-        zps = qt.zero_point_values()
-        mins = qt.minimum_values()
-        if mins is not None:
-            mins = mins.expand(self.rows, self.n_groups)
-        if s.double_quant:
-            self.dq_parts = {"dq_codes": qt.dq_codes, "dq_scales": qt.dq_scales, "dq_offset": qt.dq_offset}
+        # the scheme's own scales on the original weights, as quantize() chooses them
+        scaling = sc.choose(*to_groups(W, s), s, self.tensor_scale)
+        if s.double_quant:  # the elements are rounded under the scales as stored
+            q, bs, off = sc.double_quantize(scaling.scale)
+            self.dq_parts = {"dq_codes": q, "dq_scales": bs, "dq_offset": off}
+            scaling.scale = sc.double_dequantize(q, bs, off).reshape(scaling.scale.shape)
+            scaling.multiplier = sc.reciprocal(scaling.scale)
         for g in range(self.n_groups):
-            self.scale[g] = values[:, g].contiguous()
-            if s.granularity == "nvfp4":
-                self.inv[g] = self._nvfp4_multiplier(qt.scales[:, g])
-            elif s.granularity == "mx":
-                self.inv[g] = 1.0 / self.scale[g]
-            else:
-                self.inv[g] = sc.reciprocal(self.scale[g])
-            if zps is not None:
-                self.zero[g] = zps[:, g].to(torch.float32)
-            if mins is not None:
-                self.minimum[g] = mins[:, g].contiguous()
-            if s.granularity in ("mx", "nvfp4"):
-                self.raw[g] = qt.scales[:, g]
-
-    def _nvfp4_multiplier(self, e4m3_codes: torch.Tensor) -> torch.Tensor:
-        block = decode(e4m3_codes, sc._E4M3, dtype=torch.float32)
-        return (1.0 / self.tensor_scale) / block  # as torchao and fewbits' quantize() compute it
+            self._take(g, scaling, g)
 
     def set_dynamic(self, g: int, columns: torch.Tensor) -> None:
-        """Choose group g's scale from the current (error-updated) weights of its columns."""
-        s = self.scheme
-        if s.granularity == "nvfp4":
-            # the block rule of sc.nvfp4_scales with the tensor scale held fixed
-            emax = sc.element_max(s)
-            block = sc.divide(columns.abs().amax(1), emax) / self.tensor_scale
-            block = fb_round(block.clamp(min=sc._E4M3_TINY, max=sc._E4M3.max), sc._E4M3, overflow="saturate")
-            codes = encode(block, sc._E4M3)
-            self.raw[g] = codes
-            self.scale[g] = sc.nvfp4_scale_values(codes, self.tensor_scale)
-            self.inv[g] = (1.0 / self.tensor_scale) / block
-            return
-        # the scheme's own scale rule (fewbits.quant.scales, as quantize() applies it) on the
-        # group view of these columns: [rows, 1, group_size], padded if the last group is short
-        view, valid = to_groups(columns, s)
-        if s.granularity == "mx":
-            codes = sc.mx_scale_codes(sc.group_amax(view), s)[:, 0]
-            self.raw[g] = codes
-            self.scale[g] = sc.mx_scale_values(codes, s)
-            self.inv[g] = 1.0 / self.scale[g]
-            return
-        if s.zero_point == "float":
-            scale, mins = sc.float_min_params(view, valid, s)
-            self.minimum[g] = mins[:, 0].contiguous()
-        elif s.symmetric:
-            scale = sc.symmetric_scales(view, valid, s, self._round_nearest)
-            self.zero[g] = None
-        else:
-            scale, zp = sc.asymmetric_params(view, valid, s, self._round_nearest)
-            self.zero[g] = zp[:, 0].to(torch.float32)
-        self.scale[g] = scale[:, 0].contiguous()
-        self.inv[g] = sc.reciprocal(self.scale[g])
+        """Choose group g's scale from the current (error-updated) weights of its columns: the
+        scheme's own rule on their group view [rows, 1, group_size] (padded if the last group is
+        short); NVFP4's tensor scale stays the whole original tensor's."""
+        self._take(g, sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale), 0)
 
-    # the element rounding the MSE scale search uses, as quantize() defines it
-    def _round_nearest(self, y):
-        return fb_round(y, self.fmt, mode="nearest_even", overflow="saturate")
+    def _take(self, g: int, scaling: sc.Scaling, j: int) -> None:
+        """Group g's scale, multiplier, zero point, minimum and codes: column j of `scaling`
+        (per-tensor scales are repeated for every row)."""
+        shape = (self.rows, scaling.scale.shape[1])
+        self.scale[g] = scaling.scale.expand(shape)[:, j].contiguous()
+        self.inv[g] = scaling.multiplier.expand(shape)[:, j].contiguous()
+        zp = scaling.zero_point
+        self.zero[g] = zp[:, j].to(torch.float32) if zp is not None else None
+        if scaling.minimum is not None:
+            self.minimum[g] = scaling.minimum.expand(shape)[:, j].contiguous()
+        if scaling.codes is not None:
+            self.raw[g] = scaling.codes[:, j]
 
     # --- rounding ------------------------------------------------------------------------------
     def group_of(self, col: int) -> int:
@@ -262,7 +225,7 @@ def _check_inputs(W, H, block_size, damp):
         raise TypeError("GPTQ takes torch tensors W and H")
     if W.dim() != 2:
         raise ValueError(f"W must be a 2-D weight [out, in], got shape {tuple(W.shape)}")
-    if W.dtype not in _FLOAT_DTYPES or H.dtype not in _FLOAT_DTYPES:
+    if W.dtype not in FLOAT_DTYPES or H.dtype not in FLOAT_DTYPES:
         raise TypeError(f"W and H must be float tensors, got {W.dtype} and {H.dtype}")
     cols = W.shape[1]
     if tuple(H.shape) != (cols, cols):
@@ -318,7 +281,7 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
         empty = quantize(W.detach(), scheme)
         return GPTQResult(empty, W.detach().to(torch.float32).clone(), float(damp), None, 0)
     W32 = W.detach().to(torch.float32).clone()
-    generator = torch.Generator().manual_seed(scheme.seed) if scheme.mode == "stochastic" else None
+    generator = rounding_generator(scheme, "cpu")  # kernels.random draws the seeds on the CPU
     grid = _Grid(scheme, W32, static_groups, generator)
 
     H = H.detach().to(torch.float64).clone()

@@ -18,15 +18,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..formats import FLOAT_DTYPES
 from ..kernels import round as fb_round
-from ..formats import IntFormat
 from . import scales as sc
 from .model import is_quantized, quantized_module, resolve_plan, set_submodule
 from .scheme import QuantScheme, get_scheme
-from .tensor import from_groups, quantize, to_groups
+from .tensor import from_groups, quantize, rounding_generator, to_groups
 
 STE_MODES = ("identity", "clipped")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,27 +36,12 @@ def fake_quantize_reference(x: torch.Tensor, scheme) -> torch.Tensor:
     return quantize(x, scheme).dequantize()
 
 
-def _generator(scheme: QuantScheme, device):
-    # quantize() draws stochastic rounding from a fresh generator seeded with scheme.seed
-    if scheme.mode != "stochastic":
-        return None
-    return torch.Generator(device=device).manual_seed(scheme.seed)
-
-
-def _round_elements(y: torch.Tensor, fmt, mode: str = "nearest_even", gen=None) -> torch.Tensor:
-    """Elements rounded to the format's grid, saturating (as quantize() encodes them)."""
-    if isinstance(fmt, IntFormat) and mode == "nearest_even":
-        # torch.round is round-half-to-even; clamping is saturation. `+ 0.0` turns the -0.0 of
-        # small negatives into the +0.0 that decoding the integer code 0 gives.
-        return torch.round(y).clamp_(fmt.lowest, fmt.max).add_(0.0)
-    return fb_round(y, fmt, mode=mode, overflow="saturate", generator=gen)
-
-
 def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bool):
     """(quantize-dequantize of x in x's dtype, mask of the values inside the representable range
-    before rounding, or None). Mirrors fewbits.quant.tensor.quantize step by step."""
+    before rounding, or None). quantize()'s steps: the same scales (scales.choose), the same
+    element rounding (scales.round_elements is quantize()'s encoding, without the codes)."""
     fmt = scheme.format
-    gen = _generator(scheme, x.device)
+    gen = rounding_generator(scheme, x.device)
     x = x.detach()
     if scheme.scale_format == "none":  # a plain cast: no scale, the format's own overflow rule
         out = fb_round(x, fmt, mode=scheme.mode, generator=gen)
@@ -66,38 +50,21 @@ def _fake_quantize_with_mask(x: torch.Tensor, scheme: QuantScheme, want_mask: bo
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
     g, valid = to_groups(x, scheme)
-    zp = mins = None
-    if scheme.granularity == "mx":
-        codes = sc.mx_scale_codes(sc.group_amax(g), scheme)
-        scale = sc.mx_scale_values(codes, scheme)
-        y = g * (1.0 / scale).unsqueeze(-1)
-    elif scheme.granularity == "nvfp4":
-        ts, codes, mult = sc.nvfp4_scales(g, scheme)
-        y = g * mult.unsqueeze(-1)
-        scale = sc.nvfp4_scale_values(codes, ts)
-    elif scheme.zero_point == "float":  # float minimum per group: x ~= q * scale + min
-        scale, mins = sc.float_min_params(g, valid, scheme)
-        mins = mins.unsqueeze(-1)
-        y = sc.times_reciprocal(g - mins, scale)
-    elif scheme.symmetric:
-        scale = sc.symmetric_scales(g, valid, scheme, lambda y: _round_elements(y, fmt))
-        y = sc.times_reciprocal(g, scale)
-    else:
-        scale, zp = sc.asymmetric_params(g, valid, scheme, lambda y: _round_elements(y, fmt))
-        zp = zp.to(torch.float32).unsqueeze(-1)
-        y = sc.times_reciprocal(g, scale) + zp
+    scaling = sc.choose(g, valid, scheme)
+    y = scaling.scaled(g)
+    scale = scaling.scale
     if scheme.double_quant:  # the elements were scaled by the exact scales, stored ones are approximate
         scale = sc.double_dequantize(*sc.double_quantize(scale.to(torch.float32))).reshape(scale.shape)
     mask = None
     if want_mask:
         inside = (y >= fmt.lowest) & (y <= fmt.max)
         mask = from_groups(inside, scheme, x.shape)
-    r = _round_elements(y, fmt, scheme.mode, gen)
-    if zp is not None:
-        r = r - zp
+    r = sc.round_elements(y, fmt, scheme.mode, gen)
+    if scaling.zero_point is not None:
+        r = r - scaling.zero_point.to(torch.float32).unsqueeze(-1)
     v = r * scale.unsqueeze(-1)
-    if mins is not None:
-        v = v + mins
+    if scaling.minimum is not None:
+        v = v + scaling.minimum.unsqueeze(-1)
     return from_groups(v, scheme, x.shape).to(x.dtype), mask
 
 
@@ -109,7 +76,7 @@ def fake_quantize(x: torch.Tensor, scheme) -> torch.Tensor:
     scheme = get_scheme(scheme)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fake_quantize() takes a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"fake_quantize() takes a float tensor, got {x.dtype}")
     with torch.no_grad():
         return _fake_quantize_with_mask(x, scheme, want_mask=False)[0]

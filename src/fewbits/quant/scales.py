@@ -1,6 +1,9 @@
 """Scale choice: absmax, percentile and MSE-optimal scales, MX E8M0 exponents, NVFP4 two-level
 scales, integer zero points and float minimums, and QLoRA double quantization of the scales.
 
+choose() is the one place that dispatches on the scheme's scale rule: quantize(), fake_quantize()
+and GPTQ all take their scales from it (a Scaling), and scale the elements with Scaling.scaled().
+
 Every function here works on a group view: a float32 tensor [rows, groups, group_size] (see
 QuantScheme's layout rule), with a boolean mask of the real (non-padding) entries where padding
 matters. The arithmetic is spelled out because two oracles fix it bit for bit:
@@ -10,6 +13,7 @@ matters. The arithmetic is spelled out because two oracles fix it bit for bit:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -68,23 +72,101 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def times_reciprocal(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """g [..., n] * reciprocal(scale)[..., None]: the arithmetic every quantizer here uses. A
-    scale below 2^-128 has an infinite reciprocal; 0 times it is read as 0 (0 / scale), not NaN."""
-    r = reciprocal(scale).unsqueeze(-1)
-    y = g * r
+    """g [..., n] * reciprocal(scale)[..., None]: the arithmetic every quantizer here uses."""
+    return _times(g, reciprocal(scale))
+
+
+def _times(g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """g [..., n] * r[..., None]. A scale below 2^-128 has an infinite reciprocal r; 0 times it is
+    read as 0 (0 / scale), not NaN."""
+    y = g * r.unsqueeze(-1)
     if bool(torch.isinf(r).any()):
         y = torch.where(g == 0, torch.zeros_like(y), y)
     return y
 
 
+def round_elements(y: torch.Tensor, fmt, mode: str = "nearest_even", generator=None) -> torch.Tensor:
+    """Elements rounded to the format's grid, saturating, as quantize() encodes them (its MSE
+    scale search and fake_quantize round with this)."""
+    if isinstance(fmt, IntFormat) and mode == "nearest_even":
+        # torch.round is round-half-to-even; clamping is saturation. `+ 0.0` turns the -0.0 of
+        # small negatives into the +0.0 that decoding the integer code 0 gives.
+        return torch.round(y).clamp_(fmt.lowest, fmt.max).add_(0.0)
+    return fb_round(y, fmt, mode=mode, overflow="saturate", generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# the scale recipe: one dispatch on the scheme
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Scaling:
+    """The scales choose() picked for a group view [rows, groups, n].
+
+    scale: float32 [rows, groups], what the rounded elements are multiplied by (the scale
+        dequantize() uses: MX 2^e, NVFP4 E4M3 block scale times the tensor scale, else the
+        scale rounded to its format; before double quantization).
+    multiplier: float32 [rows, groups], what the elements are multiplied by before rounding:
+        reciprocal(scale), or NVFP4's (1 / tensor_scale) / block.
+    codes: the stored scale codes, uint8 [rows, groups]: E8M0 (MX) or E4M3 (NVFP4); else None.
+    zero_point: int64 [rows, groups] on the unsigned grid (asymmetric schemes), else None.
+    minimum: float32 [rows, groups], rounded to the scale format (zero_point="float"), else None.
+    tensor_scale: float32 scalar (NVFP4), else None.
+    """
+
+    scale: torch.Tensor
+    multiplier: torch.Tensor
+    codes: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
+    tensor_scale: torch.Tensor | None = None
+
+    def scaled(self, g: torch.Tensor) -> torch.Tensor:
+        """The elements to round: (g - minimum) * multiplier (+ zero_point), as quantize() computes
+        them. MX and NVFP4 multiply as their recipes (torchao) do; the others read 0 / a scale
+        below 2^-128 as 0."""
+        if self.minimum is not None:
+            g = g - self.minimum.unsqueeze(-1)
+        if self.codes is not None:
+            y = g * self.multiplier.unsqueeze(-1)
+        else:
+            y = _times(g, self.multiplier)
+        if self.zero_point is not None:
+            y = y + self.zero_point.unsqueeze(-1).to(torch.float32)
+        return y
+
+
+def choose(g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale: torch.Tensor | None = None) -> Scaling:
+    """The scales of the group view g [rows, groups, n] (valid: its mask of real entries, or None)
+    by the scheme's rule: MX exponents, NVFP4 block scales, float minimums, symmetric scales, or
+    asymmetric scales with zero points. Not for plain casts (scale_format "none": no scale).
+
+    tensor_scale: NVFP4's tensor scale, held fixed (GPTQ chooses each group's block scales under
+    the whole tensor's); by default it comes from g.
+    """
+    if scheme.granularity == "mx":
+        codes = mx_scale_codes(group_amax(g), scheme)
+        scale = mx_scale_values(codes, scheme)
+        return Scaling(scale, 1.0 / scale, codes=codes)
+    if scheme.granularity == "nvfp4":
+        ts = nvfp4_tensor_scale(g, scheme) if tensor_scale is None else tensor_scale
+        codes, block = nvfp4_block_scales(g, ts, scheme)
+        return Scaling(nvfp4_scale_values(codes, ts), (1.0 / ts) / block, codes=codes, tensor_scale=ts)
+    if scheme.zero_point == "float":
+        scale, minimum = float_min_params(g, valid, scheme)
+        return Scaling(scale, reciprocal(scale), minimum=minimum)
+    if scheme.symmetric:
+        scale = symmetric_scales(g, valid, scheme)
+        return Scaling(scale, reciprocal(scale))
+    scale, zero_point = asymmetric_params(g, valid, scheme)
+    return Scaling(scale, reciprocal(scale), zero_point=zero_point)
+
+
 # ---------------------------------------------------------------------------------------------
 # symmetric and asymmetric scales
 # ---------------------------------------------------------------------------------------------
-def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, round_elements) -> torch.Tensor:
-    """Float32 scales [rows, groups] by the scheme's scale_method, rounded to its scale format.
-
-    round_elements(y) -> y rounded to the element grid, as the caller quantizes (used by the MSE
-    search to quantize and dequantize each candidate with quantize()'s arithmetic).
+def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme) -> torch.Tensor:
+    """Float32 scales [rows, groups] by the scheme's scale_method, rounded to its scale format
+    (the MSE search quantizes and dequantizes each candidate with quantize()'s arithmetic).
     """
     emax = element_max(scheme)
     if scheme.scale_method == "percentile":
@@ -95,15 +177,14 @@ def symmetric_scales(g: torch.Tensor, valid, scheme: QuantScheme, round_elements
     if scheme.scale_method != "mse":
         return round_scales(base, scheme.scale_format)
     def quantize_dequantize(gg, scale):
-        return round_elements(times_reciprocal(gg, scale)) * scale.unsqueeze(-1)
+        return round_elements(times_reciprocal(gg, scale), scheme.format) * scale.unsqueeze(-1)
 
     return _mse_search(g, valid, scheme, lambda r: round_scales(base * r, scheme.scale_format),
                        quantize_dequantize)
 
 
-def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, round_elements):
-    """(scale float32, zero_point int64) [rows, groups] for an unsigned grid 0..2^b-1
-    (round_elements as in symmetric_scales).
+def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme):
+    """(scale float32, zero_point int64) [rows, groups] for an unsigned grid 0..2^b-1.
 
     The range always contains 0, so zero is exact: lo = min(min, 0), hi = max(max, 0);
     scale = (hi - lo) / (2^b - 1); zero_point = round(-lo / scale).
@@ -129,7 +210,7 @@ def asymmetric_params(g: torch.Tensor, valid, scheme: QuantScheme, round_element
         return s, z.to(torch.int64)
     def quantize_dequantize(gg, scale_zero):
         scale, zero = scale_zero
-        q = round_elements(times_reciprocal(gg, scale) + zero.unsqueeze(-1))
+        q = round_elements(times_reciprocal(gg, scale) + zero.unsqueeze(-1), scheme.format)
         return (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
 
     s, z = _mse_search(g, valid, scheme, params, quantize_dequantize)
@@ -224,21 +305,20 @@ _E4M3 = get_format("fp8_e4m3")
 _E4M3_TINY = 2.0 ** -6  # torchao clamps block scales to torch.finfo(float8_e4m3fn).tiny
 
 
-def nvfp4_scales(g: torch.Tensor, scheme: QuantScheme):
-    """(tensor_scale float32 scalar, block scale E4M3 codes uint8, element multiplier float32).
-
-    tensor_scale = amax / (448 * 6); block = e4m3(clamp(block_amax / 6 / tensor_scale));
-    elements are x * ((1 / tensor_scale) / block), as NVIDIA's recipe and torchao compute it.
-    """
-    emax = element_max(scheme)
+def nvfp4_tensor_scale(g: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """The float32 scalar tensor scale amax / (448 * 6) of the whole group view (1 if all zero)."""
     amax = g.abs().amax() if g.numel() else torch.tensor(0.0, device=g.device)
-    ts = divide(amax.to(torch.float32), _E4M3.max * emax).reshape(())
-    ts = torch.where(ts == 0, torch.ones_like(ts), ts)  # an all-zero tensor: any scale works
-    block = divide(group_amax(g), emax) / ts
+    ts = divide(amax.to(torch.float32), _E4M3.max * element_max(scheme)).reshape(())
+    return torch.where(ts == 0, torch.ones_like(ts), ts)  # an all-zero tensor: any scale works
+
+
+def nvfp4_block_scales(g: torch.Tensor, tensor_scale: torch.Tensor, scheme: QuantScheme):
+    """(E4M3 codes uint8, their float32 values) of the block scales under `tensor_scale`:
+    block = e4m3(clamp(block_amax / 6 / tensor_scale)). The elements are then multiplied by
+    (1 / tensor_scale) / block, as NVIDIA's recipe and torchao compute it (see choose())."""
+    block = divide(group_amax(g), element_max(scheme)) / tensor_scale
     block = fb_round(block.clamp(min=_E4M3_TINY, max=_E4M3.max), _E4M3, overflow="saturate")
-    codes = encode(block, _E4M3)
-    mult = (1.0 / ts) / block
-    return ts, codes, mult
+    return encode(block, _E4M3), block
 
 
 def nvfp4_scale_values(codes: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:

@@ -16,14 +16,13 @@ import math
 
 import torch
 
-from ..formats import IntFormat
-from ..kernels import decode, encode, pack, round as fb_round, unpack
+from ..formats import FLOAT_DTYPES, IntFormat, torch_dtype
+from ..kernels import decode, encode, pack, unpack
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                 "e8m0": torch.uint8, "e4m3": torch.uint8}
+# scales as stored: the float formats in their own torch dtype, E8M0 / E4M3 as their uint8 codes
+_SCALE_DTYPES = {**{f: torch_dtype(f) for f in ("fp32", "fp16", "bf16")}, "e8m0": torch.uint8, "e4m3": torch.uint8}
 _PACK_ORDER = "low_first"
 STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset", "minimums")
 
@@ -142,7 +141,7 @@ class QuantizedTensor:
         extra = [k for k in STATE_KEYS if k not in expected and getattr(self, k) is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)} not used by scheme {s.label}")
-        if self.dtype not in _FLOAT_DTYPES:
+        if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
         if bits <= 8:
             need("codes", self.codes, (-(-n * bits // 8),), torch.uint8)
@@ -285,14 +284,29 @@ def _given(t, what, scheme, shape, dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _generator(scheme: QuantScheme, device) -> torch.Generator | None:
+def rounding_generator(scheme: QuantScheme, device) -> torch.Generator | None:
+    """The generator quantize() draws stochastic rounding from: a fresh one seeded with
+    scheme.seed (None unless the scheme rounds stochastically)."""
     if scheme.mode != "stochastic":
         return None
     return torch.Generator(device=device).manual_seed(scheme.seed)
 
 
-def _round_elements(y: torch.Tensor, scheme: QuantScheme, mode=None, generator=None) -> torch.Tensor:
-    return fb_round(y, scheme.format, mode=mode or "nearest_even", overflow="saturate", generator=generator)
+def _given_scaling(scheme: QuantScheme, shape, scales, zero_points) -> sc.Scaling:
+    """The Scaling of scales (and zero points or float minimums) given to quantize()."""
+    scale = sc.round_scales(_given(scales, "scales", scheme, shape, torch.float32), scheme.scale_format)
+    scaling = sc.Scaling(scale, sc.reciprocal(scale))
+    if scheme.zero_point == "float":
+        mins = _given(zero_points, "zero_points (float minimums)", scheme, shape, torch.float32)
+        if not bool(torch.isfinite(mins).all()):
+            raise ValueError("the float minimums (zero_points) must be finite")
+        scaling.minimum = sc.round_scales(mins, scheme.scale_format)
+    elif not scheme.symmetric:
+        zp = _given(zero_points, "zero_points", scheme, shape, torch.int64)
+        if int(zp.min()) < 0 or int(zp.max()) > 2 ** scheme.format.bits - 1:
+            raise ValueError(f"zero points must lie in 0..{2 ** scheme.format.bits - 1}")
+        scaling.zero_point = zp
+    return scaling
 
 
 def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
@@ -307,11 +321,11 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     scheme = get_scheme(scheme)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize() takes a float tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     x = x.detach()
     fmt = scheme.format
-    gen = _generator(scheme, x.device)
+    gen = rounding_generator(scheme, x.device)
     if scheme.scale_format == "none":
         codes = encode(x.reshape(-1), fmt, mode=scheme.mode, generator=gen)
         stored = codes.to(torch.int16) if fmt.bits > 8 else pack(codes.to(torch.uint8), fmt.bits, order=_PACK_ORDER)
@@ -319,52 +333,23 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
     g, valid = to_groups(x, scheme)
-    parts: dict = {}
     if scales is not None and scheme.granularity in ("mx", "nvfp4"):
         raise ValueError(f"{scheme.granularity} scales follow their recipe; they cannot be given")
     if zero_points is not None and (scales is None or scheme.symmetric):
         raise ValueError("zero_points go with given scales of an asymmetric scheme")
-    if scheme.granularity == "mx":
-        codes_e8m0 = sc.mx_scale_codes(sc.group_amax(g), scheme)
-        scale = sc.mx_scale_values(codes_e8m0, scheme)
-        y = g * (1.0 / scale).unsqueeze(-1)
-        parts["scales"] = codes_e8m0
-    elif scheme.granularity == "nvfp4":
-        ts, codes_e4m3, mult = sc.nvfp4_scales(g, scheme)
-        y = g * mult.unsqueeze(-1)
-        parts["scales"], parts["tensor_scale"] = codes_e4m3, ts
-    elif scales is not None:
-        scale = _given(scales, "scales", scheme, x.shape, torch.float32)
-        scale = sc.round_scales(scale, scheme.scale_format)
-        y = sc.times_reciprocal(g, scale)
-        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
-        if scheme.zero_point == "float":
-            mins = _given(zero_points, "zero_points (float minimums)", scheme, x.shape, torch.float32)
-            if not bool(torch.isfinite(mins).all()):
-                raise ValueError("the float minimums (zero_points) must be finite")
-            mins = sc.round_scales(mins, scheme.scale_format)
-            y = sc.times_reciprocal(g - mins.unsqueeze(-1), scale)
-            parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
-        elif not scheme.symmetric:
-            zp = _given(zero_points, "zero_points", scheme, x.shape, torch.int64)
-            if int(zp.min()) < 0 or int(zp.max()) > 2 ** fmt.bits - 1:
-                raise ValueError(f"zero points must lie in 0..{2 ** fmt.bits - 1}")
-            y = y + zp.unsqueeze(-1).to(torch.float32)
-            parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
-    elif scheme.zero_point == "float":
-        scale, mins = sc.float_min_params(g, valid, scheme)
-        y = sc.times_reciprocal(g - mins.unsqueeze(-1), scale)
-        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
-        parts["minimums"] = mins.to(_SCALE_DTYPES[scheme.scale_format])
-    elif scheme.symmetric:
-        scale = sc.symmetric_scales(g, valid, scheme, lambda y: _round_elements(y, scheme))
-        y = sc.times_reciprocal(g, scale)
-        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
+    if scales is not None:
+        scaling = _given_scaling(scheme, x.shape, scales, zero_points)
     else:
-        scale, zp = sc.asymmetric_params(g, valid, scheme, lambda y: _round_elements(y, scheme))
-        y = sc.times_reciprocal(g, scale) + zp.unsqueeze(-1).to(torch.float32)
-        parts["scales"] = scale.to(_SCALE_DTYPES[scheme.scale_format])
-        parts["zero_points"] = pack(zp.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+        scaling = sc.choose(g, valid, scheme)
+    y = scaling.scaled(g)
+    stored_as = _SCALE_DTYPES[scheme.scale_format]
+    parts = {"scales": scaling.codes if scaling.codes is not None else scaling.scale.to(stored_as)}
+    if scaling.tensor_scale is not None:
+        parts["tensor_scale"] = scaling.tensor_scale
+    if scaling.minimum is not None:
+        parts["minimums"] = scaling.minimum.to(stored_as)
+    if scaling.zero_point is not None:
+        parts["zero_points"] = pack(scaling.zero_point.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
     codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
     stored = pack(codes, fmt.bits, order=_PACK_ORDER) if fmt.bits <= 8 else codes.to(torch.int16)
     if scheme.double_quant:
