@@ -43,7 +43,10 @@ def group_percentile(g: torch.Tensor, valid: torch.Tensor | None, q: float) -> t
     if valid is not None:
         a = torch.where(valid, a, torch.tensor(float("nan")))
     s, _ = torch.sort(a, dim=-1)  # NaN (padding) sorts last
-    n = valid.sum(-1) if valid is not None else torch.full(a.shape[:-1], a.shape[-1], device=a.device)
+    if valid is None:
+        n = torch.full(a.shape[:-1], a.shape[-1], device=a.device)
+    else:  # valid is [1, groups, n], the same padding on every row: its counts hold for every row
+        n = valid.sum(-1).expand(a.shape[:-1])
     k = (torch.ceil(n.to(torch.float64) * (q / 100.0)).to(torch.int64) - 1).clamp(min=0)
     k = torch.minimum(k, (n - 1).clamp(min=0))
     return s.gather(-1, k.unsqueeze(-1)).squeeze(-1).nan_to_num(0.0)
