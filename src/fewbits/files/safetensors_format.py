@@ -38,7 +38,7 @@ from torch import nn
 
 from .._version import __version__
 from ..atomic import replacing
-from ..formats import LookupFormat
+from ..formats import FLOAT_DTYPES, LookupFormat
 from ..kernels import unpack
 from ..quant.model import is_quantized, quantized_module, set_submodule
 from ..quant.modules import QuantEmbedding
@@ -49,8 +49,6 @@ FORMAT_MARKER = "fewbits"
 FORMAT_VERSION = 1
 CONTENTS = ("model", "tensor", "tensors")
 SINGLE_TENSOR_NAME = "tensor"
-_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "float64": torch.float64}
 _MAX_LISTED_PROBLEMS = 8
 
 
@@ -93,6 +91,9 @@ def _qt_info(qt: QuantizedTensor, module_kind: str | None) -> dict:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_FLOAT_DTYPES = {_dtype_name(d): d for d in FLOAT_DTYPES}  # the value dtypes, as the metadata names them
 
 
 def _dict_entries(objs: Mapping) -> tuple[dict, dict]:
