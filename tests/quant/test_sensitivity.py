@@ -168,7 +168,7 @@ def test_sensitivity_restores_weights_bit_exactly_and_measures_one_layer_at_a_ti
     values_before = {n: p.detach().clone() for n, p in params_before.items()}
     batches = _xy_batches()
     schemes = ["int8", "int4_channel", QuantScheme("int2", "channel", name="int2c")]
-    table = layer_sensitivity(model, schemes, batches, loss_fn=_ce, input_fn=lambda b: b[0])
+    table = layer_sensitivity(model, schemes, batches, loss_fn=_ce, input_fn=lambda b: b[0], tied="untie")
     assert model.training  # mode restored
     for n, p in model.named_parameters(remove_duplicate=False):
         assert p is params_before[n]
@@ -225,8 +225,10 @@ def test_sensitivity_of_w8a8_quantizes_the_layer_input_too():
 def test_sensitivity_without_loss_and_errors():
     model = TiedMLP()
     x = [b[0] for b in _xy_batches(2)]
-    table = layer_sensitivity(model, ["int8", "bf16"], x, skip=["head"])
+    table = layer_sensitivity(model, ["int8", "bf16"], x, skip=["head"], tied="untie")
     assert [li.name for li in table.layers] == ["a", "b"]
+    # by default the tied layers are kept in float, as quantize_model keeps them
+    assert [li.name for li in layer_sensitivity(model, ["int8"], x).layers] == ["head"]
     assert not table.has_loss and table.base_loss is None
     assert table.record("a", "int8").loss_increase is None
     with pytest.raises(ValueError, match="share the label"):

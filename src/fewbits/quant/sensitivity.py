@@ -279,14 +279,16 @@ def _held_nbytes(module: nn.Module, w: torch.Tensor, scheme: QuantScheme) -> int
 def layer_sensitivity(model: nn.Module, candidates, calibration: Iterable,
                       loss_fn: Callable | None = None, output_fn: Callable | None = None,
                       progress: bool | Callable | None = None, skip=(), embeddings: bool = False,
-                      input_fn: Callable | None = None) -> SensitivityTable:
+                      input_fn: Callable | None = None, tied: str = "keep") -> SensitivityTable:
     """Sensitivity of each quantizable layer to each candidate scheme, one layer at a time.
 
     candidates: schemes or preset names. calibration: an iterable of model inputs (tensors,
     tuples of positional args, dicts of keyword args); it is run 1 + layers x schemes times.
     loss_fn(model_output, batch) -> scalar: gives the loss increase (mean over batches).
     output_fn(model_output) -> tensor: what SQNR is measured on (default: the output tensor,
-    `.logits` or `.last_hidden_state`). skip / embeddings: as in quantize_model.
+    `.logits` or `.last_hidden_state`). skip / embeddings / tied: as in quantize_model (by default
+    a layer whose weight another module shares is not a candidate; tied="untie" measures it, each
+    layer on a copy of its own, and apply_allocation(..., tied="untie") then quantizes it).
     input_fn(batch) -> the model inputs, when batches carry more (e.g. (inputs, targets) pairs
     with loss_fn=lambda out, b: cross_entropy(out, b[1]) and input_fn=lambda b: b[0]).
     Schemes with an activation scheme (w8a8) also quantize the layer's input, per token.
@@ -297,7 +299,7 @@ def layer_sensitivity(model: nn.Module, candidates, calibration: Iterable,
     schemes = _candidates(candidates)
     batches = _batches(calibration)
     first = next(iter(schemes.values()))
-    layer_names = list(resolve_plan(model, first, skip, embeddings))
+    layer_names = list(resolve_plan(model, first, skip, embeddings, tied=tied))
     if not layer_names:
         raise ValueError("no quantizable layer (nn.Linear, or nn.Embedding with embeddings=True) matched")
     ev = _Evaluator(model, batches, loss_fn, output_fn, input_fn)
