@@ -4,9 +4,8 @@ from .floats import SPECIALS, FloatFormat
 from .integers import IntFormat
 from .lookup import NF4_VALUES, LookupFormat
 from .reference import MODE_PRESETS, MODES, check_mode, decode_value, encode_value, round_value
-from .registry import (
-    FLOAT_DTYPES, aliases_of, describe, get_format, list_formats, normalize_name, register, torch_dtype,
-)
+from .names import normalize_name, register
+from .registry import FLOAT_DTYPES, aliases_of, describe, get_format, list_formats, torch_dtype
 
 __all__ = [
     "Format", "FloatFormat", "IntFormat", "LookupFormat", "NF4_VALUES", "SPECIALS", "MODES", "MODE_PRESETS",

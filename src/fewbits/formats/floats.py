@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .base import Format
+from .names import is_taken
 
 SPECIALS = ("ieee", "fn", "fnuz", "none")
 _SPECIALS_HELP = (
@@ -126,9 +127,7 @@ class FloatFormat(Format):
             name += "_nosub"
         if not self.zero:
             name += "_nozero"
-        from . import registry  # noqa: PLC0415 - the registry is built from this module
-
-        if self.specials == "ieee" and hasattr(registry, "is_taken") and registry.is_taken(name, self):
+        if self.specials == "ieee" and is_taken(name, self):
             name = name.replace(f"m{self.man_bits}", f"m{self.man_bits}_ieee", 1)
         return name
 

@@ -10,38 +10,7 @@ from .base import Format
 from .floats import FloatFormat
 from .integers import IntFormat
 from .lookup import NF4_VALUES, LookupFormat
-
-_REGISTRY: dict[str, Format] = {}
-_ALIASES: dict[str, str] = {}  # normalized alias -> canonical name
-_DESCRIPTIONS: dict[str, str] = {}
-
-
-def normalize_name(name: str) -> str:
-    """The key a name is looked up by: lower case, without spaces, '_', '-' or '.'. Formats use
-    it, and so do quantization schemes (fewbits.quant.get_scheme): one spelling rule."""
-    return re.sub(r"[\s_\-.]", "", name.lower())
-
-
-_norm = normalize_name
-
-
-def register(fmt: Format, aliases=(), description: str = "") -> Format:
-    """Add a format under its name and aliases (names are case- and separator-insensitive)."""
-    key = _norm(fmt.name)
-    if key in _ALIASES and _ALIASES[key] != fmt.name:
-        raise ValueError(f"name {fmt.name!r} is already taken by {_ALIASES[key]!r}")
-    _REGISTRY[fmt.name] = fmt
-    _DESCRIPTIONS[fmt.name] = description
-    for alias in (fmt.name, *aliases):
-        _ALIASES[_norm(alias)] = fmt.name
-    return fmt
-
-
-def is_taken(name: str, fmt: Format) -> bool:
-    """Whether `name` already names a different registered format."""
-    key = _norm(name)
-    return key in _ALIASES and _REGISTRY[_ALIASES[key]] != fmt
-
+from .names import _ALIASES, _DESCRIPTIONS, _REGISTRY, normalize_name, register
 
 def describe(fmt: Format) -> str:
     return _DESCRIPTIONS.get(fmt.name, "")
@@ -118,7 +87,7 @@ def get_format(name) -> Format:
         raise TypeError("get_format() needs a format name (e.g. 'fp8_e4m3'), a dtype or a Format, got None")
     if not isinstance(name, str):
         name = _dtype_name(name)
-    key = _norm(name)
+    key = normalize_name(name)
     if key in _ALIASES:
         return _REGISTRY[_ALIASES[key]]
     fmt = _parse(key)
@@ -173,4 +142,4 @@ def list_formats(kind: str | None = None) -> list[Format]:
 
 
 def aliases_of(fmt: Format) -> list[str]:
-    return sorted(a for a, n in _ALIASES.items() if n == fmt.name and a != _norm(fmt.name))
+    return sorted(a for a, n in _ALIASES.items() if n == fmt.name and a != normalize_name(fmt.name))

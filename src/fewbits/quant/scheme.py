@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ..formats import MODE_PRESETS, FloatFormat, Format, IntFormat, LookupFormat, MODES, check_mode, get_format
-from ..formats.registry import normalize_name
+from ..formats import normalize_name
 
 GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
 SCALE_FORMATS = ("fp32", "fp16", "bf16", "e8m0", "e4m3", "none")
@@ -402,7 +402,7 @@ def list_schemes() -> list[str]:
 def get_scheme(spec) -> QuantScheme:
     """A preset by name, or a QuantScheme passed through.
 
-    Names follow the format names' spelling rule (fewbits.formats.registry.normalize_name: case,
+    Names follow the format names' spelling rule (fewbits.formats.normalize_name: case,
     spaces, '_', '-' and '.' do not matter), and a format's name or alias names the preset called
     after that format: "e4m3", "FP8 E4M3" and "float8_e4m3fn" are the preset fp8, "e2m1" is fp4.
     A format without a preset of its own (e3m2, fp32) is an error naming the presets that use it.
