@@ -100,7 +100,8 @@ def test_auto_picks_torchs_kernels_here():
     want = {"int4": "int4pack", "int4_asym": "int4pack", "q4_1": "int4pack", "int4_g32": "int4pack", "int4_channel": "int4pack",
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
-            "w8a8": "w8a8_onednn" if ops.onednn_int8_available() else "w8a8_int_mm"}
+            "w8a8": ("w8a8_onednn" if ops.onednn_int8_available() and qm.cpu_int8_gemm_exact("w8a8_onednn")
+                     else "w8a8_int_mm" if qm.cpu_int8_gemm_exact("w8a8_int_mm") else "dequant")}
     for name, kernel in want.items():
         assert available_kernels(name, (64, 256))[0] == kernel, name
         assert QuantLinear.from_linear(_linear(64, 256), name).kernel == kernel
@@ -262,6 +263,34 @@ def test_w8a8_activation_quantization_equals_quantize_exactly():
         QuantLinear.from_linear(_linear(16, 64), "w8a8")(torch.full((2, 64), float("inf")))
 
 
+def test_w8a8_is_exact_where_onednn_int8_saturates():
+    # oneDNN's int8 GEMM without VNNI (AVX2-only CPUs: AMD EPYC Rome/Milan) saturates pairs of
+    # products in int16; ONEDNN_MAX_CPU_ISA=AVX2 makes this CPU do the same. w8a8 must then run a
+    # kernel that is exact (it ran them: 20 % of the largest output off).
+    import os
+    import subprocess
+    import sys
+    code = """
+import torch
+from torch import nn
+from fewbits.quant.modules import QuantLinear, available_kernels
+torch.manual_seed(0)
+lin = nn.Linear(256, 64)
+x = torch.randn(32, 256) * 3
+for kernel in available_kernels("w8a8", (64, 256)):
+    m = QuantLinear.from_linear(lin, "w8a8", kernel=kernel)
+    with torch.no_grad():
+        ref, got = m.reference_forward(x), m(x)
+    print(kernel, float((got - ref).abs().max() / ref.abs().max()))
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    errors = dict(line.split() for line in r.stdout.splitlines())
+    assert "dequant" in errors
+    assert all(float(e) < 1e-5 for e in errors.values()), errors  # every kernel offered is exact
+
+
 def test_w8a8_kernels_agree_with_each_other():
     kernels = [k for k in ("w8a8_onednn", "w8a8_int_mm") if k in available_kernels("w8a8", (64, 96))]
     if len(kernels) < 2:
@@ -319,6 +348,8 @@ def test_int4_g128_weight_is_at_most_a_sixth_of_fp32():
 
 @pytest.mark.parametrize("name,kernel", [("int8", "int8pack"), ("bf16", "bf16"), ("w8a8", "w8a8_int_mm")])
 def test_views_of_the_codes_are_not_counted_twice(name, kernel):
+    if kernel not in available_kernels(name, (64, 128)):
+        pytest.skip(f"{kernel} is not available here")
     lin = _linear(64, 128)
     qt = quantize(lin.weight.detach(), name)
     m = QuantLinear(qt, lin.bias, kernel=kernel)

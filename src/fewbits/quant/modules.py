@@ -13,7 +13,8 @@ int4pack       int4 sym / uint4 asym (integer zero point or float minimum), grou
 int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: torch's int8
                weight matmul; bfloat16 activations and scales.
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
-w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale.
+w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
+               only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
 bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
 dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the codes are decoded
                and scaled in float32 (exactly QuantizedTensor.dequantize()) a block of output
@@ -272,6 +273,36 @@ def _is_bf16_cast(s: QuantScheme) -> bool:
     return s.scale_format == "none" and s.format == get_format("bf16")
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_int8_gemm_exact(kernel: str) -> bool:
+    """Whether the CPU int8 GEMM behind `kernel` ("w8a8_onednn": oneDNN's qlinear on a prepacked
+    weight; "w8a8_int_mm": torch._int_mm, also oneDNN's) sums exactly on this CPU, tried once per
+    process on worst-case values against an int64 matmul.
+
+    oneDNN without VNNI (AVX2-only CPUs such as AMD EPYC Rome and Milan, AVX-512 without VNNI;
+    ONEDNN_MAX_CPU_ISA=AVX2 imitates them) multiplies uint8 x int8 pairs with vpmaddubsw, whose
+    int16 sum of two products saturates (2 x 255 x 127 > 32767): the int32 results come out wrong
+    by up to 4e4, silently. There neither kernel is offered and w8a8 runs the dequant kernel."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (16, 64), generator=g).to(torch.int8)
+    w[0], w[1] = 127, -127
+    for rows in (1, 32):
+        q = torch.randint(-127, 128, (rows, 64), generator=g).to(torch.int8)
+        q[0] = 127
+        want = q.to(torch.int64) @ w.to(torch.int64).t()
+        try:
+            if kernel == "w8a8_onednn":  # |sums| < 2^24: exact in its float32 result
+                got = ops.int8_int8_matmul_onednn((q.to(torch.int16) + 128).to(torch.uint8),
+                                                  ops.onednn_prepack_int8(w), torch.ones(16))
+            else:
+                got = ops.int8_int8_matmul(q, w)
+        except RuntimeError:
+            return False
+        if not torch.equal(got.to(torch.int64), want):
+            return False
+    return True
+
+
 def available_kernels(scheme, shape, device="cpu") -> list[str]:
     """The kernels that can run a weight of `shape` [out, in] in `scheme` on `device`, fastest
     first (the first one is what kernel="auto" picks). Off the CPU: w8a8_int_mm (CUDA; both
@@ -291,9 +322,10 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
     out = []
     if s.activations is not None:
         if _int8_weight(s) and _w8a8_activations_fast(s.activations):
-            if ops.onednn_int8_available():
+            if ops.onednn_int8_available() and cpu_int8_gemm_exact("w8a8_onednn"):
                 out.append("w8a8_onednn")
-            out.append("w8a8_int_mm")
+            if cpu_int8_gemm_exact("w8a8_int_mm"):
+                out.append("w8a8_int_mm")
         out.append("dequant")
         return out
     if _int4_op_group(s, k) is not None and n % ops.INT4_N_MULTIPLE == 0 and ops.int4pack_layout() is not None:
