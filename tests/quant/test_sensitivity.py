@@ -266,8 +266,9 @@ def tiny_sensitivity():
         # ATen's vector code) into another model on every kind of CPU (weights up to 76 % apart,
         # ATEN_CPU_CAPABILITY=avx2 against avx512); in float64 they stay within 5e-15 and the
         # float32 weights come out bit for bit the same under avx2 and avx512, with MKL's own
-        # kernels and with MKL_ENABLE_INSTRUCTIONS=AVX2. (ATEN_CPU_CAPABILITY=default, a CPU
-        # without AVX2, draws other initial weights, so it gets another model.)
+        # kernels and with MKL_ENABLE_INSTRUCTIONS=AVX2. (Under ATEN_CPU_CAPABILITY=default, as on
+        # a CPU without AVX2, torch's scalar normal_/uniform_ round the initial weights differently
+        # in their last bits, so it gets another model.)
         model = train_classifier(tiny_charlm_model(0).double(), x, y, seed=0).float().eval()
         task = task._replace(model=model)
         # all 40,000 training windows: with 4,000 the measured loss increases were off by up to
