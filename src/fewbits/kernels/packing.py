@@ -93,10 +93,18 @@ def packed_nbytes(count: int, bits: int) -> int:
     return -(-_check_count(count) * _check_bits(bits) // 8)
 
 
-def _group(bits: int) -> tuple[int, int]:
-    """(codes per group, bytes per group) of the smallest whole-byte group."""
+def _group(bits: int, order: str) -> tuple[int, int, list[int], list[int]]:
+    """The smallest whole-byte group of ``bits``-wide codes, as one integer word:
+    (codes per group, bytes per group, each code's shift in the word, each byte's shift)."""
     width = math.lcm(bits, 8)
-    return width // bits, width // 8
+    per_group, group_bytes = width // bits, width // 8
+    if order == "low_first":
+        code_shift = [k * bits for k in range(per_group)]
+        byte_shift = [8 * b for b in range(group_bytes)]
+    else:
+        code_shift = [width - (k + 1) * bits for k in range(per_group)]
+        byte_shift = [width - 8 * (b + 1) for b in range(group_bytes)]
+    return per_group, group_bytes, code_shift, byte_shift
 
 
 def _word_dtype(width: int) -> torch.dtype:
@@ -186,21 +194,13 @@ def _pack_flat(flat: torch.Tensor, bits: int, order: str) -> torch.Tensor:
     nbytes = -(-n * bits // 8)
     if bits == 8:
         return flat.to(torch.uint8, copy=True)
-    per_group, group_bytes = _group(bits)
-    width = 8 * group_bytes
+    per_group, group_bytes, code_shift, byte_shift = _group(bits, order)
     ngroups = -(-n // per_group)
-    code = flat.to(_word_dtype(width))
+    code = flat.to(_word_dtype(8 * group_bytes))
     pad = ngroups * per_group - n
     if pad:
         code = torch.cat([code, code.new_zeros(pad)])
     code = code.view(ngroups, per_group)
-
-    if order == "low_first":
-        code_shift = [k * bits for k in range(per_group)]
-        byte_shift = [8 * b for b in range(group_bytes)]
-    else:
-        code_shift = [width - (k + 1) * bits for k in range(per_group)]
-        byte_shift = [width - 8 * (b + 1) for b in range(group_bytes)]
 
     word = code[:, 0] << code_shift[0]
     for k in range(1, per_group):
@@ -250,21 +250,13 @@ def unpack(packed, bits: int, count: int, order: str = "low_first"):
 def _unpack_flat(flat: torch.Tensor, bits: int, count: int, order: str) -> torch.Tensor:
     if bits == 8:
         return flat.clone()
-    per_group, group_bytes = _group(bits)
-    width = 8 * group_bytes
+    per_group, group_bytes, code_shift, byte_shift = _group(bits, order)
     ngroups = -(-count // per_group)
-    byte = flat.to(_word_dtype(width))
+    byte = flat.to(_word_dtype(8 * group_bytes))
     pad = ngroups * group_bytes - flat.numel()
     if pad:
         byte = torch.cat([byte, byte.new_zeros(pad)])
     byte = byte.view(ngroups, group_bytes)
-
-    if order == "low_first":
-        code_shift = [k * bits for k in range(per_group)]
-        byte_shift = [8 * b for b in range(group_bytes)]
-    else:
-        code_shift = [width - (k + 1) * bits for k in range(per_group)]
-        byte_shift = [width - 8 * (b + 1) for b in range(group_bytes)]
 
     word = byte[:, 0] << byte_shift[0]
     for b in range(1, group_bytes):
