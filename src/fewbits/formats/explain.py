@@ -23,7 +23,6 @@ from .lookup import LookupFormat
 from .reference import check_mode, encode_value, round_value
 from .registry import aliases_of, describe, get_format, list_formats
 
-STATUSES = ("exact", "rounded", "saturated", "underflow→0", "overflow→inf", "overflow→nan", "nan")
 _RAND_WORDS = 2 ** 32
 
 

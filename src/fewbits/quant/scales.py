@@ -356,7 +356,3 @@ def double_dequantize(codes: torch.Tensor, bscale: torch.Tensor, offset: torch.T
     pad = blocks * DOUBLE_QUANT_BLOCK - n
     q = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).reshape(blocks, DOUBLE_QUANT_BLOCK)
     return (q * bscale[:, None]).reshape(-1)[:n] + offset
-
-
-def is_int(scheme: QuantScheme) -> bool:
-    return isinstance(scheme.format, IntFormat)

@@ -159,10 +159,6 @@ class QuantScheme:
 
     # --- derived --------------------------------------------------------------------------
     @property
-    def element_bits(self) -> int:
-        return self.format.bits
-
-    @property
     def label(self) -> str:
         return self.name or self.describe()
 

@@ -142,10 +142,6 @@ def _e(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _paragraphs(text: str) -> str:
-    return "".join(f"<p>{_e(p.strip())}</p>" for p in str(text).split("\n\n") if p.strip())
-
-
 def _table_html(table: dict) -> str:
     cols = table["columns"]
     head = "".join(f'<th class="{"" if c.get("format", "num") in _TEXT_KINDS else "num"}">{_e(c["label"])}</th>'
