@@ -208,7 +208,7 @@ def test_plot_without_extension_reports_the_file_written(capsys, tmp_path):
     ("{dir}/x.v2", "cannot write .v2 files", 2),
 ])
 def test_bad_plot_paths_fail_before_the_work(capsys, monkeypatch, tmp_path, plot, message, exit_code):
-    import fewbits.formats.explain as ex
+    import fewbits.formats.explanation as ex
     from fewbits import cli
 
     (tmp_path / "isdir.png").mkdir()

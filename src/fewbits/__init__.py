@@ -6,15 +6,13 @@ import numpy  # noqa: F401
 
 from ._version import __version__  # noqa: F401
 from .formats import (
-    MODES, OVERFLOW_POLICIES, FloatFormat, Format, IntFormat, LookupFormat, get_format, list_formats,
+    MODES, OVERFLOW_POLICIES, FloatFormat, Format, IntFormat, LookupFormat, explain, get_format, list_formats,
 )
-from .formats.explain import explain
 from .kernels import decode, encode, pack, round, unpack, use_backend
-from .quant import QuantizedTensor, QuantScheme, get_scheme, list_schemes, quantize
-from .quant.model import model_nbytes, quantize_model
-from .quant.modules import QuantEmbedding, QuantLinear
-from .quant.qat import convert_qat, prepare_qat
-from .quant.sensitivity import allocate_bits, apply_allocation, layer_sensitivity
+from .quant import (
+    QuantEmbedding, QuantizedTensor, QuantLinear, QuantScheme, allocate_bits, apply_allocation, convert_qat,
+    get_scheme, layer_sensitivity, list_schemes, model_nbytes, prepare_qat, quantize, quantize_model,
+)
 from .train import Engine, LossScaler, Policy
 from .memory import estimate_memory
 from .files import load, save

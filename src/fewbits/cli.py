@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from ._version import __version__
 from .formats import MODES, OVERFLOW_POLICIES, OVERFLOW_PRESETS, get_format, list_formats
-from .formats.explain import (
+from .formats.explanation import (
     binade_table, code_table, exact_decimal, explain, format_summary, jsonable, value_formula,
 )
 

@@ -1,4 +1,4 @@
-"""fewbits.formats.explain: what a number becomes in each format, and format summaries."""
+"""fewbits.formats.explanation: what a number becomes in each format, and format summaries."""
 import json
 import math
 from fractions import Fraction
@@ -8,7 +8,7 @@ import torch
 
 import fewbits as fb
 from fewbits.formats import NF4_VALUES
-from fewbits.formats.explain import (
+from fewbits.formats.explanation import (
     binade_table, code_fields, code_table, exact_decimal, explain, format_summary, jsonable,
 )
 

@@ -6,7 +6,7 @@ switch), so they work headless and leave the caller's matplotlib state alone.
     plot_bit_layouts(formats, ax)      sign / exponent / mantissa boxes, one row per format
     plot_value_ranges(formats, ax)     positive values on a log axis, one row per format
     plot_code_values(fmt, ax)          value of every code (sampled for wide formats)
-    plot_explain(records, ax)          relative error of x in each format (from formats.explain)
+    plot_explain(records, ax)          relative error of x in each format (from formats.explanation)
     save_formats_figure(formats, path) layouts beside value ranges
     save_format_figure(fmt, path)      one format: layout, code -> value, value distribution
     save_explain_figure(records, path)

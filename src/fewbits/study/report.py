@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from ..atomic import replacing
-from ..formats.explain import jsonable
+from ..formats.explanation import jsonable
 
 REPORT_FILE = "report.html"
 RESULTS_FILE = "results.json"

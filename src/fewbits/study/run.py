@@ -141,7 +141,7 @@ def _slug(text: str) -> str:
 # ---------------------------------------------------------------------------------------------
 def part_formats(ctx: StudyContext) -> PartOutput:
     from ..formats import IntFormat, list_formats
-    from ..formats.explain import explain, format_summary
+    from ..formats.explanation import explain, format_summary
     from .figures import save_explain_figure, save_formats_figure
 
     out = PartOutput()
