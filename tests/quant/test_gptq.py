@@ -327,8 +327,6 @@ def test_collect_hessians_rejects_bad_input():
     model = _mlp()
     with pytest.raises(ValueError, match="empty"):
         collect_hessians(model, ["0"], [])
-    with pytest.raises(TypeError, match="wrap it in a list"):
-        collect_hessians(model, ["0"], torch.randn(4, 32))
     with pytest.raises(TypeError, match="calibration batch"):
         collect_hessians(model, ["0"], [3.0])
     with pytest.raises(TypeError, match="nn.Linear"):
@@ -433,6 +431,23 @@ def test_blocks_taking_a_mutable_object_run_as_whole_model_passes():
     assert G._block_layout(found, discovery) is None
     got = gptq_quantize_model(model, plan, calibration)
     assert set(got) == set(plan)
+
+
+def test_a_single_tensor_or_dict_is_one_calibration_batch():
+    # the same calibration rule as layer_sensitivity (quant.plan.calibration_batches)
+    model = _mlp()
+    x = inputs(10, 32, 3)
+    one = collect_hessians(model, ["0", "2"], [x])
+    for single in (x, {"input": x}):
+        got = collect_hessians(model, ["0", "2"], single)
+        assert all(torch.equal(got[n], one[n]) for n in one)
+    plan = {"0": get_scheme("int4"), "2": get_scheme("int4")}
+    listed = gptq_quantize_model(copy.deepcopy(model), plan, [x])
+    single = gptq_quantize_model(copy.deepcopy(model), plan, x)
+    assert all(torch.equal(single[n].dequantize(), listed[n].dequantize()) for n in plan)
+    from fewbits.quant.model import quantize_model
+    quantized = quantize_model(copy.deepcopy(model), "int4", method="gptq", calibration=x)
+    assert torch.equal(quantized[0].qweight.dequantize(), single["0"].dequantize())
 
 
 def test_gptq_model_progress_modes_and_embeddings():

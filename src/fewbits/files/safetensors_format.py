@@ -40,7 +40,7 @@ from .._version import __version__
 from ..atomic import replacing
 from ..formats import FLOAT_DTYPES, LookupFormat
 from ..kernels import unpack
-from ..quant.model import is_quantized, quantized_module, set_submodule
+from ..quant.plan import is_quantized, quantized_module, set_submodule
 from ..quant.modules import QuantEmbedding
 from ..quant.scheme import QuantScheme
 from ..quant.tensor import STATE_KEYS, QuantizedTensor, expected_keys

@@ -43,8 +43,9 @@ from torch import nn
 from ..formats import FLOAT_DTYPES, IntFormat
 from ..kernels import round as fb_round
 from . import scales as sc
+from ..progress import counter
 from .lowbit_ops import one_thread
-from .model import _progress
+from .plan import calibration_batches, call_model
 from .scheme import QuantScheme, get_scheme
 from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, rounding_generator, to_groups
 
@@ -472,31 +473,13 @@ def _to_device(obj, device):
 def _run(model: nn.Module, batch, device) -> None:
     """Call the model on one calibration batch: a tensor, a tuple/list of positional args, or a
     dict of keyword args."""
-    batch = _to_device(batch, device)
+    if not isinstance(batch, (Mapping, tuple, list, torch.Tensor)):
+        raise TypeError(f"a calibration batch must be a tensor, a tuple/list of positional arguments or a "
+                        f"dict of keyword arguments, got {type(batch).__name__}")
     try:
-        if isinstance(batch, Mapping):
-            model(**batch)
-        elif isinstance(batch, (tuple, list)):
-            model(*batch)
-        elif isinstance(batch, torch.Tensor):
-            model(batch)
-        else:
-            raise TypeError(f"a calibration batch must be a tensor, a tuple/list of positional arguments or a "
-                            f"dict of keyword arguments, got {type(batch).__name__}")
+        call_model(model, _to_device(batch, device))
     except _StopForward:
         pass
-
-
-def _calibration_batches(calibration) -> list:
-    if calibration is None:
-        raise ValueError("GPTQ needs calibration data (an iterable of model inputs)")
-    if isinstance(calibration, (torch.Tensor, Mapping)):
-        raise TypeError("calibration must be an iterable of batches (e.g. a list of tensors or of dicts), "
-                        "not a single tensor or dict: wrap it in a list")
-    batches = list(calibration)
-    if not batches:
-        raise ValueError("calibration is empty")
-    return batches
 
 
 def _linear_modules(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Linear]:
@@ -541,10 +524,10 @@ class _eval_mode:
 def collect_hessians(model: nn.Module, layers: Iterable[str], calibration) -> dict[str, torch.Tensor]:
     """{layer name: H = 2 X^T X / n} (float64 [in, in]) for the named nn.Linear layers, where X
     holds every input row (token) the layer sees while the model runs over `calibration` (an
-    iterable of model inputs: tensors, tuples of positional args or dicts of keyword args).
-    The model runs once over the data, in eval mode, without gradients."""
+    iterable of model inputs: tensors, tuples of positional args or dicts of keyword args; a single
+    tensor or dict is one input). The model runs once over the data, in eval mode, without gradients."""
     modules = _linear_modules(model, layers)
-    batches = _calibration_batches(calibration)
+    batches = calibration_batches(calibration)
     with _eval_mode(model):
         return _passes(model, batches, modules, stop_early=False)
 
@@ -807,12 +790,13 @@ def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calib
                         sequential: bool = True) -> dict[str, QuantizedTensor]:
     """GPTQ-quantize the weights of the planned layers; returns {name: QuantizedTensor}.
 
-    plan: {module name: scheme} (see fewbits.quant.model.resolve_plan); nn.Linear layers get
+    plan: {module name: scheme} (see fewbits.quant.plan.resolve_plan); nn.Linear layers get
         GPTQ, other planned modules (nn.Embedding) are rounded to nearest.
     calibration: an iterable of model inputs (tensors, tuples of positional args, or dicts of
-        keyword args such as a tokenizer's output); it is iterated several times, so a generator
-        is read into a list first. For a causal LM, pass use_cache=False in the dicts: a KV cache
-        object passed between blocks rules out the block-by-block fast path below.
+        keyword args such as a tokenizer's output; a single tensor or dict is one input); it is
+        iterated several times, so a generator is read into a list first. For a causal LM, pass
+        use_cache=False in the dicts: a KV cache object passed between blocks rules out the
+        block-by-block fast path below.
     sequential: quantize in the order the model calls the layers, each layer's Hessian measured
         with every layer before it already quantized (so later layers see, and compensate for,
         the earlier layers' errors). When the model is a stack of repeated blocks (an
@@ -830,9 +814,9 @@ def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calib
     plan = {name: get_scheme(s) for name, s in plan.items()}
     if not plan:
         raise ValueError("the plan is empty: nothing to quantize")
-    batches = _calibration_batches(calibration)
+    batches = calibration_batches(calibration)
     options = dict(block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups)
-    report = _progress(progress, len(plan), "gptq")
+    report = counter(progress, len(plan), "gptq")
     for name in plan:
         try:
             model.get_submodule(name)

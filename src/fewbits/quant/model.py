@@ -1,115 +1,40 @@
-"""Whole-model quantization: which layers get which scheme, replacing them in place, sizes.
+"""Whole-model quantization: replacing a model's layers by quantized ones in place, and sizes.
 
-A plan maps module names to schemes. It comes from one scheme for every nn.Linear (and, if asked,
-nn.Embedding), or from rules {pattern: scheme}: fnmatch patterns on the module's qualified
-name, the first matching rule wins, and a rule whose scheme is None keeps that layer in float.
-`skip` patterns always keep layers in float.
+Which layers get which scheme (rules, skip patterns, the tied-weights default) is the plan, in
+fewbits.quant.plan; quantize_model() resolves it and computes the weights with one of METHODS.
 
-Tied weights: a layer whose weight is shared with another module (a language model's lm_head
-tied to its token embedding) is kept in float by default (tied="keep"), because quantizing it
-would untie the pair: the model would hold the matrix twice, once quantized and once in float,
-and grow (SmolLM2: 134.5 M -> 162.8 M parameters). A rule that names such a layer explicitly is
-an error under "keep"; tied="untie" quantizes it anyway. This default lives here, in
-resolve_plan(), so quantize_model, sensitivity, QAT and the command line all share it.
-
-Quantized modules expose `.qweight` (a QuantizedTensor) and `.bias`; quantized_module() builds
-the fastest one for a scheme (see fewbits.quant.modules).
+Quantized modules expose `.qweight` (a QuantizedTensor) and `.bias`; plan.quantized_module()
+builds the fastest one for a scheme (see fewbits.quant.modules).
 """
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from .scheme import QuantScheme, get_scheme
-from .tensor import QuantizedTensor, quantize
-
-METHODS = ("rtn", "gptq")
-TIED = ("keep", "untie")  # what resolve_plan does with a layer whose weight another module shares
-
-
-def is_quantized(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "qweight", None), QuantizedTensor)
+from ..progress import counter
+from .gptq import gptq_quantize_model
+from .plan import is_quantized, quantized_module, resolve_plan, set_submodule, tied_weights
+from .tensor import quantize
 
 
-def quantizable_modules(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every nn.Linear (and nn.Embedding if asked), in model order."""
-    kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, kinds) and not is_quantized(m)]
+def _round_to_nearest(model, plan, calibration, progress, **options):
+    if options:
+        raise TypeError(f"unexpected options for rtn: {', '.join(options)}")
+    return lambda name, module: quantize(module.weight.detach(), plan[name])
 
 
-def _patterns(p) -> tuple[str, ...]:
-    if p is None:
-        return ()
-    if isinstance(p, str):
-        return (p,)
-    return tuple(p)
+def _gptq(model, plan, calibration, progress, **options):
+    if calibration is None:
+        raise ValueError("method='gptq' needs calibration data (an iterable of model inputs)")
+    qweights = gptq_quantize_model(model, plan, calibration, progress=progress, **options)
+    return lambda name, module: qweights[name]
 
 
-def tied_weights(model: nn.Module, embeddings: bool = False) -> dict[str, list[str]]:
-    """{name of a quantizable module: the other places its weight is held} for every nn.Linear
-    (and nn.Embedding if asked) whose weight Parameter is shared, e.g. {'lm_head':
-    ['model.embed_tokens.weight']} for a language model with tied embeddings."""
-    holders: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(p), []).append(name)
-    tied = {}
-    for name, m in quantizable_modules(model, embeddings):
-        own = f"{name}.weight" if name else "weight"
-        others = [n for n in holders.get(id(getattr(m, "weight", None)), []) if n != own]
-        if others:
-            tied[name] = others
-    return tied
-
-
-def resolve_plan(model: nn.Module, scheme_or_rules, skip=(), embeddings: bool = False,
-                 tied: str = "keep") -> dict[str, QuantScheme]:
-    """{module name: scheme} for the layers to quantize (see the module docstring).
-
-    tied: "keep" (default) leaves layers whose weight another module shares in float, and raises
-    if a rule other than "*" names one; "untie" quantizes them, giving them a weight of their own."""
-    if tied not in TIED:
-        raise ValueError(f"tied must be one of {', '.join(TIED)}, got {tied!r}")
-    skip = _patterns(skip)
-    if isinstance(scheme_or_rules, Mapping):
-        rules = [(str(k), None if v is None else get_scheme(v)) for k, v in scheme_or_rules.items()]
-    else:
-        rules = [("*", get_scheme(scheme_or_rules))]
-    shared = tied_weights(model, embeddings) if tied == "keep" else {}
-    plan = {}
-    for name, _ in quantizable_modules(model, embeddings):
-        if any(fnmatch.fnmatchcase(name, p) for p in skip):
-            continue
-        for pattern, scheme in rules:
-            if fnmatch.fnmatchcase(name, pattern):
-                if scheme is not None and name in shared:
-                    if pattern != "*":
-                        raise ValueError(
-                            f"rule {pattern!r} quantizes {name!r}, whose weight is tied to "
-                            f"{', '.join(shared[name])}: quantizing it would untie them and store the matrix "
-                            "twice. Pass tied='untie' to do that, or leave the layer out of the rules")
-                elif scheme is not None:
-                    plan[name] = scheme
-                break
-    return plan
-
-
-def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-def quantized_module(module: nn.Module, qweight: QuantizedTensor) -> nn.Module:
-    """The quantized replacement of an nn.Linear / nn.Embedding holding `qweight`."""
-    from .modules import QuantEmbedding, QuantLinear  # modules sits beside model; imported lazily
-    if isinstance(module, nn.Linear):
-        return QuantLinear.from_quantized(qweight, module.bias)
-    if isinstance(module, nn.Embedding):
-        return QuantEmbedding.from_quantized(qweight, module)
-    raise TypeError(f"cannot quantize a {type(module).__name__}")
+# method -> (model, plan, calibration, progress, **options) -> weight(name, module): the
+# QuantizedTensor that replaces the module's weight
+METHODS = {"rtn": _round_to_nearest, "gptq": _gptq}
 
 
 def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rtn",
@@ -138,41 +63,15 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
         kept = sorted(tied_weights(model, embeddings)) if tied == "keep" else []
         why = f"; kept in float because their weights are tied: {', '.join(kept)}" if kept else ""
         raise ValueError(f"no layer matched: nothing to quantize (check the rules and skip patterns){why}")
-    if method == "gptq":
-        if calibration is None:
-            raise ValueError("method='gptq' needs calibration data (an iterable of model inputs)")
-        from .gptq import gptq_quantize_model
-        qweights = gptq_quantize_model(model, plan, calibration, progress=progress, **gptq_options)
-    else:
-        if gptq_options:
-            raise TypeError(f"unexpected options for rtn: {', '.join(gptq_options)}")
-        qweights = None
-    report = _progress(progress, len(plan), "quantize")
-    for i, (name, scheme) in enumerate(plan.items()):
+    weight = METHODS[method](model, plan, calibration, progress, **gptq_options)
+    report = counter(progress, len(plan), "quantize")
+    for i, name in enumerate(plan):
         module = model.get_submodule(name)
         with torch.no_grad():
-            qw = qweights[name] if qweights is not None else quantize(module.weight.detach(), scheme)
+            qw = weight(name, module)
         set_submodule(model, name, quantized_module(module, qw))
         report(i + 1, name)
     return model
-
-
-def _progress(progress, total: int, what: str):
-    """A reporter(done, name): a tqdm-style bar on stderr, a user callback, or nothing."""
-    if callable(progress) and progress is not True:
-        return lambda done, name: progress(done, total, name)
-    if not progress:
-        return lambda done, name: None
-    import sys
-
-    def bar(done, name):
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-    return bar
 
 
 def model_nbytes(model: nn.Module) -> dict:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from ..formats import FLOAT_DTYPES
 from ..kernels import round as fb_round
 from . import scales as sc
-from .model import is_quantized, quantized_module, resolve_plan, set_submodule
+from .plan import is_quantized, quantized_module, resolve_plan, set_submodule
 from .scheme import QuantScheme, get_scheme
 from .tensor import from_groups, quantize, rounding_generator, to_groups
 

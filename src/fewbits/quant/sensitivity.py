@@ -30,7 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .model import _progress, is_quantized, model_nbytes, quantize_model, quantized_module, resolve_plan
+from ..progress import counter
+from .model import model_nbytes, quantize_model
+from .plan import calibration_batches, call_model, is_quantized, quantized_module, resolve_plan
 from .qat import fake_quantize
 from .scheme import QuantScheme, get_scheme
 from .tensor import quantize
@@ -43,15 +45,6 @@ FLOAT = "float"  # the label of the "keep this layer in float" choice
 # ---------------------------------------------------------------------------------------------
 # running a model on calibration batches
 # ---------------------------------------------------------------------------------------------
-def call_model(model: nn.Module, batch):
-    """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
 def output_tensor(out) -> torch.Tensor:
     """The tensor an output stands for: itself, `.logits`, `.last_hidden_state`, or the first
     element of a tuple/list/dict."""
@@ -118,18 +111,6 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
     if signal_power == 0:
         return -math.inf
     return 10.0 * math.log10(signal_power / noise_power)
-
-
-def _batches(calibration) -> list:
-    if calibration is None:
-        raise ValueError("calibration data is needed: an iterable of model inputs (tensors, tuples, dicts)")
-    if isinstance(calibration, (torch.Tensor, Mapping)):
-        batches = [calibration]
-    else:
-        batches = list(calibration)
-    if not batches:
-        raise ValueError("calibration data is empty")
-    return batches
 
 
 def _finite_or_none(v):
@@ -297,7 +278,7 @@ def layer_sensitivity(model: nn.Module, candidates, calibration: Iterable,
     if not isinstance(model, nn.Module):
         raise TypeError(f"layer_sensitivity() takes an nn.Module, got {type(model).__name__}")
     schemes = _candidates(candidates)
-    batches = _batches(calibration)
+    batches = calibration_batches(calibration)
     first = next(iter(schemes.values()))
     layer_names = list(resolve_plan(model, first, skip, embeddings, tied=tied))
     if not layer_names:
@@ -305,7 +286,7 @@ def layer_sensitivity(model: nn.Module, candidates, calibration: Iterable,
     ev = _Evaluator(model, batches, loss_fn, output_fn, input_fn)
     was_training = model.training
     model.eval()
-    report = _progress(progress, len(layer_names) * len(schemes), "sensitivity")
+    report = counter(progress, len(layer_names) * len(schemes), "sensitivity")
     layers, records = [], []
     held_cache: dict = {}
     try:
@@ -795,7 +776,7 @@ def apply_allocation(model: nn.Module, allocation: Allocation, data: Iterable | 
     ev = None
     float_loss = None
     if data is not None:
-        ev = _Evaluator(model, _batches(data), loss_fn, output_fn, input_fn)
+        ev = _Evaluator(model, calibration_batches(data), loss_fn, output_fn, input_fn)
         was_training = model.training
         model.eval()
         try:
