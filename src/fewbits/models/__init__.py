@@ -15,20 +15,25 @@ with the pip command when a package is missing. This package imports nothing of 
 """
 from __future__ import annotations
 
-from .minilm import EmbeddingQuality, embed, embedding_quality, load_minilm, minilm_path
+from .minilm import (
+    MINILM_HINT, MINILM_MAX_TOKENS, EmbeddingQuality, embed, embedding_quality, load_minilm, minilm_path,
+    pairwise_upper, spearman,
+)
 from .smollm2 import (
-    Q4_1_CAVEAT, PerplexityResult, default_cache_dir, load_smollm2, perplexity, smollm2_gguf_path,
+    Q4_1_CAVEAT, SMOLLM2_GGUF, SMOLLM2_HINT, PerplexityResult, default_cache_dir, load_smollm2, perplexity,
+    perplexity_windows, smollm2_gguf_path,
 )
 from .text import (
     TextSplit, pydoc_sentences, pydoc_split, pydoc_split_topics, pydoc_text, pydoc_topics,
 )
-from .tiny import TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
+from .tiny import TINY_CLASSES, TINY_CONTEXT, TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
 
 __all__ = [
     "pydoc_text", "pydoc_topics", "pydoc_split", "pydoc_split_topics", "pydoc_sentences",
     "TextSplit",
-    "load_minilm", "minilm_path", "embed", "embedding_quality", "EmbeddingQuality",
-    "load_smollm2", "smollm2_gguf_path", "default_cache_dir", "perplexity", "PerplexityResult",
-    "Q4_1_CAVEAT",
-    "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy",
+    "load_minilm", "minilm_path", "embed", "embedding_quality", "EmbeddingQuality", "spearman", "pairwise_upper",
+    "MINILM_HINT", "MINILM_MAX_TOKENS",
+    "load_smollm2", "smollm2_gguf_path", "default_cache_dir", "perplexity", "perplexity_windows", "PerplexityResult",
+    "Q4_1_CAVEAT", "SMOLLM2_HINT", "SMOLLM2_GGUF",
+    "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy", "TINY_CONTEXT", "TINY_CLASSES",
 ]
