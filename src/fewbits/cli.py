@@ -22,6 +22,7 @@ from .formats import MODES, OVERFLOW_POLICIES, OVERFLOW_PRESETS, get_format, lis
 from .formats.explanation import (
     binade_table, code_table, exact_decimal, explain, format_summary, jsonable, value_formula,
 )
+from .progress import Every, Lines
 
 _CODE_TABLE_BITS = 8
 
@@ -426,9 +427,8 @@ def cmd_quantize(args, out) -> int:
         raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
     if args.out:
         check_output_dir(args.out)
-    say = (lambda msg: print(f"[fewbits] {msg}", file=sys.stderr)) if not args.quiet else None
-    if say:
-        say(f"loading {args.model} ...")
+    say = Lines("fewbits", enabled=not args.quiet)
+    say(f"loading {args.model} ...")
     subject = sq.get_subject(args.model, quick=args.quick)
     rows = sq.compare(subject, schemes, method=args.method, progress=say) if schemes else \
         [sq.measure(subject, subject.model, "fp32", None)]
@@ -465,17 +465,11 @@ def cmd_quantize(args, out) -> int:
 # ---------------------------------------------------------------------------------------------
 def _train_progress(quiet: bool):
     """A progress callback printing to stderr about every 2 s (only runs longer than that show it)."""
-    import time
-
-    start = time.perf_counter()
-    last = [start]
+    every = Every(2.0, last=True)
 
     def progress(step, total, loss):
-        now = time.perf_counter()
-        if quiet or (now - last[0] < 2.0 and step != total) or (step == total and now - start < 2.0):
-            return
-        last[0] = now
-        print(f"  step {step}/{total}  loss {loss:.4f}  ({now - start:.0f}s)", file=sys.stderr, flush=True)
+        if not quiet and every.due(step, total):
+            print(f"  step {step}/{total}  loss {loss:.4f}  ({every.elapsed:.0f}s)", file=sys.stderr, flush=True)
     return progress
 
 
@@ -658,7 +652,7 @@ def cmd_bench(args, out) -> int:
         raise ValueError(f"--budget and --buffer-mb must be positive, got {args.budget} and {args.buffer_mb}")
     check_device(args.device)
     _check_plot(args)
-    say = None if args.json else (lambda s: print(f"[fewbits bench] {s}", file=sys.stderr, flush=True))
+    say = Lines("fewbits bench", enabled=not args.json)
     res = run_bench(shapes, dtypes, budget_s=args.budget, device=args.device, buffer_mb=args.buffer_mb,
                     progress=say)
     if args.json:

@@ -21,7 +21,6 @@ import math
 import os
 import re
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
+from ..progress import Every, Lines
 from .report import write_report
 
 PARTS = ("formats", "memory", "speed", "quant", "train")
@@ -91,19 +91,11 @@ class PartOutput:
                 "warnings": self.warnings, "highlights": self.highlights, "order": self.order}
 
 
-class Progress:
+class Progress(Lines):
     """Prints '[fewbits study 1:23] message' lines to a stream (stderr by default)."""
 
     def __init__(self, stream=None, enabled: bool = True):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if not self.enabled:
-            return
-        s = int(time.perf_counter() - self.start)
-        print(f"[fewbits study {s // 60}:{s % 60:02d}] {message}", file=self.stream, flush=True)
+        super().__init__("fewbits study", stream, enabled, clock=True)
 
 
 @dataclass
@@ -589,11 +581,10 @@ def part_train(ctx: StudyContext) -> PartOutput:
     for i, name in enumerate(policies, 1):
         ctx.say(f"train: {name} ({i}/{len(policies)}), {cfg.steps} steps")
         tel = Telemetry(every=10)
-        last = [time.perf_counter()]
+        every = Every(10.0)
 
-        def progress(step, total, loss, name=name, last=last):
-            if time.perf_counter() - last[0] > 10:
-                last[0] = time.perf_counter()
+        def progress(step, total, loss, name=name, every=every):
+            if every.due(step, total):
                 ctx.say(f"train: {name} step {step}/{total}, loss {loss:.4f}")
         try:
             r = run_task(name, cfg, telemetry=tel, progress=progress)
