@@ -89,3 +89,15 @@ def test_face_names_do_not_hide_submodules():
         modules = {p.stem for p in (SRC / room).glob("*.py")} | {p.name for p in (SRC / room).iterdir() if p.is_dir()}
         clashes += [f"fewbits.{room}.{n}" for n in face.__all__ if n in modules]
     assert clashes == []
+
+
+@pytest.mark.parametrize("room", sorted(ROOM_ALL))
+def test_a_face_exports_what_its_modules_declare(room):
+    """A module's __all__ is public API: its room's face exports each of those names."""
+    face = importlib.import_module(f"fewbits.{room}")
+    missing = []
+    for path in sorted((SRC / room).glob("*.py")):
+        if path.name != "__init__.py":
+            module = importlib.import_module(f"fewbits.{room}.{path.stem}")
+            missing += [f"{path.stem}.{n}" for n in getattr(module, "__all__", ()) if n not in face.__all__]
+    assert missing == []
