@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from fewbits.train import Engine, Telemetry  # noqa: E402
-from fewbits.train.tasks import GPT, Task, TaskConfig  # noqa: E402
+from fewbits.study.tasks import GPT, Task, TaskConfig  # noqa: E402
 
 
 def _sync(device):

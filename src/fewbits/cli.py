@@ -485,7 +485,8 @@ def _train_table(results) -> str:
 
 def cmd_train(args, out) -> int:
     from .train import Policy, Telemetry
-    from .train.tasks import TaskConfig, plot_losses, run_task
+    from .study.charts import save_histogram_figure, save_loss_figure
+    from .study.tasks import TaskConfig, run_task
 
     names = [n.strip() for n in (args.compare or args.policy or "bf16-mixed").split(",") if n.strip()]
     policies = [Policy.preset(n) for n in names]  # ValueError (exit 2) for an unknown name
@@ -508,12 +509,12 @@ def cmd_train(args, out) -> int:
         r = run_task(pol, cfg, telemetry=tel, progress=_train_progress(args.quiet or args.json))
         r.pop("_engine")
         if args.histogram and len(policies) == 1:
-            tel.plot_histograms(args.histogram, title=f"{cfg.task} under {pol.name}")
+            save_histogram_figure(tel, args.histogram, title=f"{cfg.task} under {pol.name}")
         r["layers"] = tel.layers() if args.layers_detail else None
         results.append(r)
     plot = args.plot
     if plot:
-        plot_losses(results, plot, title=f"fewbits train --task {cfg.task}: loss by policy")
+        save_loss_figure(results, plot, title=f"fewbits train --task {cfg.task}: loss by policy")
     if args.json:
         _emit_json(results if args.compare else results[0], out)
     else:

@@ -11,7 +11,7 @@ from fewbits.train import Engine, Telemetry
 
 @functools.lru_cache(maxsize=1)
 def digits():
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
     return digits_data()
 
 

@@ -17,7 +17,7 @@ def _worker(rank, world, store, configs, out_dir):
     import fewbits as fb
     from fewbits.train import Engine
     from fewbits.train.distributed import CompressedComm, compressed_allreduce_hook
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
 
     torch.set_num_threads(1)
     # a file store: no TCP port to pick and lose to another process between picking and binding

@@ -26,7 +26,7 @@ def _model():
 
 def _batches(world, steps, per_rank):
     """Each rank's row indices for every step (rank r draws from generator 100 + r)."""
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
     x, _ = digits_data()
     gens = [torch.Generator().manual_seed(100 + r) for r in range(world)]
     return [[torch.randint(0, x.shape[0], (per_rank,), generator=g) for g in gens] for _ in range(steps)]
@@ -37,7 +37,7 @@ def _train_single(policy, batches, per_rank_backward=False):
     one backward per rank's rows with its loss halved, accumulated in the Engine's fp32 gradient
     buffer — the sum FSDP2 reduce-scatters in fp32 and divides by the world size (exact: halving
     is exact in binary); else one backward over all rows."""
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
     x, y = digits_data()
     model = _model()
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy)
@@ -62,7 +62,7 @@ def _train_single(policy, batches, per_rank_backward=False):
 def _train_sharded(policy, batches, rank, units=False):
     """fully_shard_with_policy + Engine; returns (gathered fp32 params, losses, what the layers saw,
     formats of the engine's casts)."""
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
     x, y = digits_data()
     model = _model()
     seen = []
@@ -189,7 +189,7 @@ def _resume_worker(rank, world, store, out_dir):
     fresh sharded model and engine loading it + 3 steps: the two must end bit-identical."""
     import torch.distributed as dist
 
-    from fewbits.train.tasks import digits_data
+    from fewbits.study.tasks import digits_data
 
     torch.set_num_threads(1)
     # a file store: no TCP port to pick and lose to another process between picking and binding

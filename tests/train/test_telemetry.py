@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from fewbits.study.charts import save_histogram_figure
 from fewbits.train import Telemetry
 
 
@@ -46,5 +47,5 @@ def test_histogram_plot(tmp_path):
     counts = t.hist["backward"]
     assert int(counts.sum()) == 5000
     path = tmp_path / "h.png"
-    t.plot_histograms(str(path))
+    save_histogram_figure(t, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fewbits.cli import main
-from fewbits.train.tasks import GPT, Task, TaskConfig, pydoc_text_bytes
+from fewbits.study.tasks import GPT, Task, TaskConfig, pydoc_text_bytes
 
 FIELDS = {"policy", "final_loss", "step_time_s", "peak_memory_bytes", "skipped_steps", "underflow_fraction",
           "lost_update_fraction"}

@@ -24,11 +24,16 @@ _TOPIC_SEPARATOR = "\n\n"
 
 
 @functools.lru_cache(maxsize=1)
-def _topics() -> tuple[tuple[str, str], ...]:
+def _shipped_topics() -> tuple[tuple[str, str], ...]:
     from pydoc_data.topics import topics  # stdlib; imported here so `fewbits.models` stays light
 
+    return tuple((name, topics[name]) for name in sorted(topics))
+
+
+@functools.lru_cache(maxsize=1)
+def _topics() -> tuple[tuple[str, str], ...]:
     # a topic's own trailing newlines would vary the separator between topics
-    return tuple((name, topics[name].strip("\n")) for name in sorted(topics))
+    return tuple((name, text.strip("\n")) for name, text in _shipped_topics())
 
 
 def pydoc_topics() -> dict[str, str]:
@@ -36,9 +41,14 @@ def pydoc_topics() -> dict[str, str]:
     return dict(_topics())
 
 
-def pydoc_text() -> str:
-    """All topics' text joined in sorted topic order, separated by a blank line."""
-    return _TOPIC_SEPARATOR.join(text for _, text in _topics())
+def pydoc_text(strip: bool = True) -> str:
+    """All topics' text joined in sorted topic order, separated by a blank line.
+
+    strip=False joins the topics as shipped, each with its own leading and trailing newlines:
+    the corpus of the study's byte-level `lm` training task (fewbits.study.tasks), kept as it
+    always was so that the task's losses do not move.
+    """
+    return _TOPIC_SEPARATOR.join(text for _, text in (_topics() if strip else _shipped_topics()))
 
 
 class TextSplit(NamedTuple):

@@ -1,5 +1,5 @@
-"""Charts of the study report that no command draws on its own: memory breakdowns, matmul and
-rounding throughput, and the numerics of training policies.
+"""Charts of the study report and of `fewbits train`: memory breakdowns, matmul and rounding
+throughput, and the numerics of training policies.
 
 Drawn with matplotlib's object interface on the Agg canvas (no pyplot, no global backend
 switch), like fewbits.study.figures, so they work headless and leave the caller's state alone.
@@ -9,6 +9,7 @@ switch), like fewbits.study.figures, so they work headless and leave the caller'
     save_rounding_figure(rows, path)      fb.round throughput per format beside torch's cast and a copy
     save_train_numerics_figure(rows, path) underflow, lost updates and skipped steps per policy
     save_loss_figure(runs, path)          loss curves of several policies, and each relative to the first
+    save_histogram_figure(telemetry, path) exponent histograms per tensor role against the format's range
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import math
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from ..formats import get_format
+from ..train.telemetry import EXP_HI, EXP_LO
 
 COMPONENT_COLORS = {
     "weights": "#1f77b4", "master_weights": "#aec7e8", "gradients": "#ff7f0e", "optimizer_states": "#ffbb78",
@@ -216,13 +220,15 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 def save_loss_figure(runs: list[dict], path, title: str = ""):
     """runs: [{'policy', 'losses', 'final_loss'}], on the same batches. Left: every policy's loss
-    (moving average over ~1/25 of the run); right: each step's loss relative to the first run's
-    on the same batch (moving average over ~1/10), where the batch-to-batch noise they share
-    cancels and the policies part."""
+    (moving average over ~1/25 of the run); right (with two runs or more): each step's loss
+    relative to the first run's on the same batch (moving average over ~1/10), where the
+    batch-to-batch noise they share cancels and the policies part."""
     if not runs:
         raise ValueError("no training runs to plot")
-    fig = _new_figure(13, 4.6)
-    ax_all, ax_rel = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    compared = len(runs) > 1
+    fig = _new_figure(13 if compared else 8, 4.6)
+    ax_all = fig.add_subplot(1, 2 if compared else 1, 1)
+    ax_rel = fig.add_subplot(1, 2, 2) if compared else None
     styles = ["-", "--", ":", "-."]
 
     def finite(values):
@@ -236,20 +242,61 @@ def save_loss_figure(runs: list[dict], path, title: str = ""):
         final = r.get("final_loss")
         label = f"{r['policy']} ({final:.4f})" if final is not None and math.isfinite(final) else r["policy"]
         ax_all.plot(steps, _moving_average(losses, max(1, len(losses) // 25)), label=label, **style)
+        if ax_rel is None:
+            continue
         rel = [100.0 * (v - ref) / ref if ref and math.isfinite(ref) else float("nan")
                for v, ref in zip(losses, reference)]
         ax_rel.plot(steps[:len(rel)], _moving_average(rel, max(1, len(rel) // 10)), **style)
     ax_all.set_xlabel("step")
     ax_all.set_ylabel("training loss (moving average)")
     ax_all.set_title("the whole run", fontsize=10)
-    ax_rel.axhline(0, color="#333333", linewidth=0.8)
-    ax_rel.set_xlabel("step")
-    ax_rel.set_ylabel(f"loss vs {runs[0]['policy']} on the same batch (%)")
-    ax_rel.set_title(f"relative to {runs[0]['policy']}: the shared batch noise cancels", fontsize=10)
-    for ax in (ax_all, ax_rel):
+    if ax_rel is not None:
+        ax_rel.axhline(0, color="#333333", linewidth=0.8)
+        ax_rel.set_xlabel("step")
+        ax_rel.set_ylabel(f"loss vs {runs[0]['policy']} on the same batch (%)")
+        ax_rel.set_title(f"relative to {runs[0]['policy']}: the shared batch noise cancels", fontsize=10)
+    for ax in fig.axes:
         ax.grid(alpha=0.3)
         _clean(ax)
     ax_all.legend(fontsize=7.5, title="policy (final loss)", title_fontsize=7.5, framealpha=0.95)
     fig.suptitle(title or "training loss under each precision policy", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def save_histogram_figure(telemetry, path, title: str = ""):
+    """A Telemetry's exponent histograms, one panel per tensor role (floor(log2 |x|), as a fraction
+    of the role's values, log scale), with the format's min subnormal, min normal and max marked.
+    ValueError when the telemetry sampled no step."""
+    roles = [r for r in ("forward", "backward", "weight_grad", "weights") if r in telemetry.hist]
+    if not roles:
+        raise ValueError("no histograms recorded (telemetry sampled no step)")
+    fig = _new_figure(9, 2.4 * len(roles))
+    xs = list(range(EXP_LO, EXP_HI + 1))
+    for i, role in enumerate(roles):
+        ax = fig.add_subplot(len(roles), 1, i + 1)
+        counts = telemetry.hist[role].double()
+        zeros = telemetry.hist_zeros.get(role, 0)
+        total = float(counts.sum()) + zeros
+        frac = (counts / total).tolist() if total else counts.tolist()
+        nz = [j for j, c in enumerate(frac) if c > 0]
+        lo, hi = (xs[nz[0]] - 4, xs[nz[-1]] + 4) if nz else (-40, 20)
+        fmt = get_format(telemetry.hist_format[role])
+        marks = [("min subnormal", getattr(fmt, "min_subnormal", None), "tab:red"),
+                 ("min normal", fmt.min_normal, "tab:orange"), ("max", fmt.max, "tab:green")]
+        for label, v, color in marks:
+            if v:
+                e = math.floor(math.log2(v))
+                lo, hi = min(lo, e - 2), max(hi, e + 2)
+                ax.axvline(e, color=color, linestyle="--", linewidth=1, label=f"{fmt.name} {label} 2^{e}")
+        ax.bar(xs, frac, width=1.0, color="tab:blue")
+        ax.set_xlim(max(lo, EXP_LO), min(hi, EXP_HI))
+        ax.set_yscale("log")
+        ax.set_title(f"{role}: log2|x| ({zeros / total:.1%} zeros)" if total else role, fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        if i == len(roles) - 1:
+            ax.set_xlabel("floor(log2 |value|)")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)

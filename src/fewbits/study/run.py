@@ -571,8 +571,8 @@ def part_quant(ctx: StudyContext) -> PartOutput:
 # ---------------------------------------------------------------------------------------------
 def part_train(ctx: StudyContext) -> PartOutput:
     from ..train import Telemetry
-    from ..train.tasks import TaskConfig, run_task
-    from .charts import save_loss_figure, save_train_numerics_figure
+    from .charts import save_histogram_figure, save_loss_figure, save_train_numerics_figure
+    from .tasks import TaskConfig, run_task
 
     out = PartOutput()
     policies = TRAIN_POLICIES_QUICK if ctx.quick else TRAIN_POLICIES
@@ -614,8 +614,8 @@ def part_train(ctx: StudyContext) -> PartOutput:
                "weight unchanged (lost updates); steps the loss scaler skipped after an overflow.")
     if histogram_telemetry is not None:
         try:
-            histogram_telemetry.plot_histograms(
-                str(ctx.out / "train_histograms.png"),
+            save_histogram_figure(
+                histogram_telemetry, ctx.out / "train_histograms.png",
                 title=f"{HISTOGRAM_POLICY}: exponents of the tensors against fp16's range")
             out.figure("train_histograms.png", f"Exponent histograms under {HISTOGRAM_POLICY}",
                        "The binary exponents of sampled values per tensor role against the format's range: "

@@ -15,10 +15,11 @@ Per (step, layer, role):
   lost        (role 'update') of the elements the optimizer changed, the fraction whose stored
               value did not change (the update vanished in the storage format)
 Exponent histograms (floor(log2 |x|) of the unrounded values, per role) are accumulated for the
-plot in the style of Micikevicius et al. 2018, Figure 3, with the format's range marked.
+plot in the style of Micikevicius et al. 2018, Figure 3, with the format's range marked, that
+fewbits.study.charts.save_histogram_figure draws (this module draws nothing).
 
 Recording never waits for the device: the figures of a cast stay tensors (on the tensor's
-device) until someone reads them (`rows`, `hist`, `hist_zeros`, the summaries, the plot), and
+device) until someone reads them (`rows`, `hist`, `hist_zeros`, the summaries), and
 then all pending ones are copied at once. On a GPU this turns several synchronisations per cast
 into one per read.
 """
@@ -206,44 +207,6 @@ class Telemetry:
                                           self.fraction("backward", "saturated")),
                 "weight_grad_underflow_fraction": self.fraction("weight_grad", "underflow"),
                 "lost_update_fraction": self.lost_update_fraction()}
-
-    def plot_histograms(self, path: str, title: str = "") -> None:
-        """Exponent histograms per role with the format's range (subnormal, normal, max) marked."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        roles = [r for r in ("forward", "backward", "weight_grad", "weights") if r in self.hist]
-        if not roles:
-            raise ValueError("no histograms recorded (telemetry sampled no step)")
-        fig, axes = plt.subplots(len(roles), 1, figsize=(9, 2.4 * len(roles)), squeeze=False)
-        xs = list(range(EXP_LO, EXP_HI + 1))
-        for ax, role in zip(axes[:, 0], roles):
-            counts = self.hist[role].double()
-            total = float(counts.sum()) + self.hist_zeros.get(role, 0)
-            frac = (counts / total).tolist() if total else counts.tolist()
-            nz = [i for i, c in enumerate(frac) if c > 0]
-            lo, hi = (xs[nz[0]] - 4, xs[nz[-1]] + 4) if nz else (-40, 20)
-            fmt = get_format(self.hist_format[role])
-            marks = [("min subnormal", getattr(fmt, "min_subnormal", None), "tab:red"),
-                     ("min normal", fmt.min_normal, "tab:orange"), ("max", fmt.max, "tab:green")]
-            for label, v, color in marks:
-                if v:
-                    e = math.floor(math.log2(v))
-                    lo, hi = min(lo, e - 2), max(hi, e + 2)
-                    ax.axvline(e, color=color, linestyle="--", linewidth=1, label=f"{fmt.name} {label} 2^{e}")
-            ax.bar(xs, frac, width=1.0, color="tab:blue")
-            ax.set_xlim(max(lo, EXP_LO), min(hi, EXP_HI))
-            ax.set_yscale("log")
-            zeros = self.hist_zeros.get(role, 0)
-            ax.set_title(f"{role}: log2|x| ({zeros / total:.1%} zeros)" if total else role, fontsize=9)
-            ax.legend(fontsize=7, loc="upper left")
-        axes[-1, 0].set_xlabel("floor(log2 |value|)")
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
 
     def state_dict(self) -> dict:
         return {"rows": list(self.rows), "hist": dict(self.hist), "hist_zeros": dict(self.hist_zeros),

@@ -6,7 +6,8 @@
   mlp  a multilayer perceptron classifying scikit-learn's 8x8 handwritten digits (1,797 images,
        bundled with scikit-learn)
 
-`run_task` trains one policy and returns its figures; the CLI and the benchmark use it.
+`run_task` trains one policy and returns its figures; the study, the CLI and the benchmark use
+it. This is the study's experiment harness, not library code: it sits on top of `fewbits.train`.
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import Engine
-from .policy import Policy
-from .telemetry import Telemetry
+from ..models.text import pydoc_text
+from ..train import Engine, Policy, Telemetry
 
 TASKS = ("lm", "mlp")
 
@@ -33,10 +33,8 @@ TASKS = ("lm", "mlp")
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def pydoc_text_bytes() -> torch.Tensor:
-    """The pydoc_data topics text as a uint8 tensor of UTF-8 bytes (about 0.5 MB)."""
-    from pydoc_data import topics
-
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    """The pydoc_data topics text, as shipped, as a uint8 tensor of UTF-8 bytes (about 0.5 MB)."""
+    text = pydoc_text(strip=False)
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
 
@@ -254,26 +252,3 @@ def run_task(policy: Policy | str, cfg: TaskConfig, telemetry: Telemetry | None 
     result["_engine"] = engine
     return result
 
-
-def plot_losses(results: list[dict], path: str, title: str = "") -> None:
-    """Loss curves of several runs on one plot (raw, and a moving average on top)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
-        losses = [v if math.isfinite(v) else float("nan") for v in r["losses"]]
-        w = max(1, len(losses) // 25)
-        smooth = [sum(losses[max(0, i - w + 1):i + 1]) / len(losses[max(0, i - w + 1):i + 1])
-                  for i in range(len(losses))]
-        line, = ax.plot(range(1, len(losses) + 1), smooth, label=f"{r['policy']} ({r['final_loss']:.3f})")
-        ax.plot(range(1, len(losses) + 1), losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title or "training loss by precision policy")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
