@@ -62,3 +62,22 @@ def test_loss_figure(tmp_path):
     assert _is_png(save_loss_figure(runs, tmp_path / "l.png"))
     with pytest.raises(ValueError):
         save_loss_figure([], tmp_path / "e.png")
+
+
+def test_the_quality_figure_leaves_the_callers_backend_alone(tmp_path):
+    import types
+
+    import matplotlib
+
+    from fewbits.study import quantization as sq
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a user's notebook backend, say
+    try:
+        subject = types.SimpleNamespace(name="m", quality_metric="cosine", higher_is_better=True, note="")
+        rows = [{"quality": 1.0, "bits_per_param": 32, "scheme": "fp32"},
+                {"quality": 0.9, "bits_per_param": 4.5, "scheme": "nf4"}]
+        path = sq.plot_quality_vs_bits(rows, subject, tmp_path / "q.png")
+        assert path.stat().st_size > 1000 and matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)

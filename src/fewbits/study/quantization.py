@@ -225,11 +225,12 @@ def compare(subject: Subject, schemes: Sequence[str], method: str = "rtn",
 
 def plot_quality_vs_bits(rows: list[dict], subject: Subject, path: str | Path) -> Path:
     """Quality against bits per parameter of the quantized layers, one point per scheme."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: the caller's backend stays
+    from matplotlib.figure import Figure
 
-    fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=110)
+    fig = Figure(figsize=(8.5, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     base = rows[0]
     markers = "osD^v<>pPX*h"
     for i, r in enumerate(rows[1:]):  # a legend, not labels: points at nearly equal bits overlap
@@ -250,7 +251,6 @@ def plot_quality_vs_bits(rows: list[dict], subject: Subject, path: str | Path) -
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
