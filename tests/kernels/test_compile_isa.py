@@ -107,7 +107,7 @@ def _run(script: str, cache_dir, capability: str | None, *args: str) -> subproce
     env.pop("FEWBITS_COMPILE", None)
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
-    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
         f"ATEN_CPU_CAPABILITY={capability}: rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r

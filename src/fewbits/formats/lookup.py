@@ -48,6 +48,7 @@ class LookupFormat(Format):
         self.name = name
         self._values = tuple(vals)
         self._bits = max(1, (len(vals) - 1).bit_length())
+        self._bnb_bounds = None  # bitsandbytes_bounds(), computed once (it runs at every call in that mode)
 
     def __eq__(self, other):
         return isinstance(other, LookupFormat) and self._values == other._values
@@ -119,6 +120,11 @@ class LookupFormat(Format):
 
         Raises ValueError for a codebook whose values float32 cannot hold (bitsandbytes' tables
         are float32)."""
+        if self._bnb_bounds is None:
+            self._bnb_bounds = self._compute_bitsandbytes_bounds()
+        return self._bnb_bounds
+
+    def _compute_bitsandbytes_bounds(self) -> tuple[float, ...]:
         v = self._values
         if any(float32(t) != t for t in v):
             raise ValueError(f"mode 'bitsandbytes' takes codebooks of float32 values; {self.name} has values "

@@ -18,7 +18,6 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[\s_\-.]", "", name.lower())
 
 
-
 def register(fmt: Format, aliases=(), description: str = "") -> Format:
     """Add a format under its name and aliases (names are case- and separator-insensitive)."""
     key = normalize_name(fmt.name)

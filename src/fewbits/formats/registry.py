@@ -12,6 +12,7 @@ from .integers import IntFormat
 from .lookup import NF4_VALUES, LookupFormat
 from .names import _ALIASES, _DESCRIPTIONS, _REGISTRY, normalize_name, register
 
+
 def describe(fmt: Format) -> str:
     return _DESCRIPTIONS.get(fmt.name, "")
 

@@ -15,6 +15,8 @@ from .arguments import check_dense, check_generator, check_out
 from .lookupround import lookup_indices, round_lookup
 from .random import draw_seed
 
+_FP32, _FP64 = get_format("fp32"), get_format("fp64")
+
 
 # ---------------------------------------------------------------------------------------------
 # input handling
@@ -299,13 +301,13 @@ def decode(codes, fmt, dtype=None):
         raise TypeError(f"codes must be integers, got dtype {t.dtype}")
     unsigned64 = t.dtype == torch.uint64 or (isinstance(codes, np.ndarray) and codes.dtype == np.uint64)
     c = t.view(torch.int64) if t.dtype == torch.uint64 else t.to(torch.int64)  # uint64: the bit patterns
-    if fmt.bits == 64 and fmt == get_format("fp64"):
+    if fmt.bits == 64 and fmt == _FP64:
         return restore(c.view(torch.float64).to(want))
     n_codes = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** fmt.bits
     if fmt.bits < 64 and c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_codes):
         lo, hi = _code_range(c, unsigned64)
         raise ValueError(f"codes range {lo}..{hi} is outside 0..{n_codes - 1} of {fmt.name}")
-    if fmt.bits == 32 and isinstance(fmt, FloatFormat) and fmt == get_format("fp32"):
+    if fmt.bits == 32 and isinstance(fmt, FloatFormat) and fmt == _FP32:
         return restore(c.to(torch.int32).view(torch.float32).to(want))
     if fmt.bits <= 16:
         table = _decode_table(fmt, str(c.device)).to(want)
