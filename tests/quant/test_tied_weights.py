@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fewbits.quant.model import model_nbytes, quantize_model, resolve_plan, tied_weights
+from fewbits.quant.scheme import get_scheme
 
 
 class TinyTiedLM(nn.Module):
@@ -66,6 +67,36 @@ def test_a_rule_naming_a_tied_layer_is_refused_before_anything_changes():
     assert model.body is body  # nothing replaced
     with pytest.raises(ValueError, match="tied must be one of keep, untie"):
         resolve_plan(model, "int4", tied="share")
+
+
+@pytest.mark.parametrize("rules", [{"*head*": "int8"}, {"*proj*": "int8", "*e*": "nf4"},
+                                   {"*_hea?": "int8", "*": "int4"}, {"[l]m_head": "int8", "*": "int4"}])
+def test_a_wildcard_rule_matching_a_tied_layer_keeps_it_in_float(rules):
+    # only "*" used to be let through: any other wildcard that happened to match lm_head raised
+    model = TinyTiedLM()
+    model.proj_head = nn.Linear(32, 32)  # an untied layer that "*head*" and "*proj*" also match
+    plan = resolve_plan(model, rules)
+    assert "lm_head" not in plan and "proj_head" in plan
+    quantize_model(model, rules)
+    assert model.lm_head.weight is model.embed.weight and not hasattr(model.lm_head, "qweight")
+    assert hasattr(model.proj_head, "qweight")
+
+
+def test_a_wildcard_rule_matching_only_a_tied_layer_says_it_was_kept():
+    model = TinyTiedLM()
+    assert resolve_plan(model, {"*head*": "int8"}) == {}
+    with pytest.raises(ValueError, match="no layer matched.*kept in float because their weights are tied: lm_head"):
+        quantize_model(model, {"*head*": "int8"})
+
+
+def test_an_explicit_name_of_a_tied_layer_is_refused_even_after_a_wildcard_rule():
+    model = TinyTiedLM()
+    with pytest.raises(ValueError, match="rule 'lm_head' quantizes 'lm_head'.*tied='untie'"):
+        resolve_plan(model, {"lm_head": "int8", "*": "int4"})
+    # the first matching rule decides: a wildcard before the explicit name keeps the layer in float
+    assert "lm_head" not in resolve_plan(model, {"*head": "int8", "lm_head": "int4"})
+    plan = resolve_plan(model, {"lm_head": "int8", "*": "int4"}, tied="untie")
+    assert plan["lm_head"] == get_scheme("int8")
 
 
 def test_nothing_but_tied_layers_says_why():

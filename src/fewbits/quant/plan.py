@@ -11,8 +11,11 @@ name, the first matching rule wins, and a rule whose scheme is None keeps that l
 Tied weights: a layer whose weight is shared with another module (a language model's lm_head
 tied to its token embedding) is kept in float by default (tied="keep"), because quantizing it
 would untie the pair: the model would hold the matrix twice, once quantized and once in float,
-and grow (SmolLM2: 134.5 M -> 162.8 M parameters). A rule that names such a layer explicitly is
-an error under "keep"; tied="untie" quantizes it anyway. This default lives here, in
+and grow (SmolLM2: 134.5 M -> 162.8 M parameters). Under "keep", a rule that names such a layer
+explicitly (its exact name, no wildcard * ? [) is an error: the user asked for that layer; a
+wildcard rule that merely matches it ("*", "*head*", "*proj*") keeps it in float, as the
+default does, and the layer is then simply absent from the plan (quantize_model's "no layer
+matched" message lists the tied layers it kept). tied="untie" quantizes it anyway. This default lives here, in
 resolve_plan(), so quantize_model, sensitivity, QAT and the command line all share it.
 
 Calibration data (GPTQ, sensitivity) is a list of model inputs: calibration_batches() reads it
@@ -67,12 +70,20 @@ def tied_weights(model: nn.Module, embeddings: bool = False) -> dict[str, list[s
     return tied
 
 
+def _is_explicit(pattern: str) -> bool:
+    """Whether a rule's pattern is a plain layer name rather than a wildcard (fnmatch's special
+    characters are * ? and [): only a plain name asks for one layer on purpose."""
+    return not any(c in pattern for c in "*?[")
+
+
 def resolve_plan(model: nn.Module, scheme_or_rules, skip=(), embeddings: bool = False,
                  tied: str = "keep") -> dict[str, QuantScheme]:
     """{module name: scheme} for the layers to quantize (see the module docstring).
 
-    tied: "keep" (default) leaves layers whose weight another module shares in float, and raises
-    if a rule other than "*" names one; "untie" quantizes them, giving them a weight of their own."""
+    tied: "keep" (default) leaves layers whose weight another module shares in float when the
+    first rule matching them is a wildcard pattern, and raises when it is the layer's exact name
+    (a pattern without * ? [, see _is_explicit); "untie" quantizes them, giving them a weight of
+    their own."""
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, got {tied!r}")
     skip = _patterns(skip)
@@ -88,7 +99,7 @@ def resolve_plan(model: nn.Module, scheme_or_rules, skip=(), embeddings: bool = 
         for pattern, scheme in rules:
             if fnmatch.fnmatchcase(name, pattern):
                 if scheme is not None and name in shared:
-                    if pattern != "*":
+                    if _is_explicit(pattern):
                         raise ValueError(
                             f"rule {pattern!r} quantizes {name!r}, whose weight is tied to "
                             f"{', '.join(shared[name])}: quantizing it would untie them and store the matrix "
