@@ -78,7 +78,12 @@ def test_int8pack_weights_built_from_unaligned_codes_are_aligned():
     assert layer.kernel == "int8pack"
     for name, t in layer.qweight.kernel_tensors.items():
         assert t.data_ptr() % 64 == 0, name
-    # the weight is still a view of the codes (no second copy is held)
+    # the weight is a view of the (aligned) codes the layer holds, and the unaligned buffer it
+    # was built from is not retained: no second copy is held
+    codes = layer.qweight.codes
+    weight = layer.qweight.kernel_tensors["weight"]
+    assert weight.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+    assert codes.untyped_storage().data_ptr() != sd["codes"].untyped_storage().data_ptr()
     assert layer.nbytes == QuantLinear(qt).nbytes
 
 
