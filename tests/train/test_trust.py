@@ -350,3 +350,50 @@ def test_the_checks_accept_other_optimizers_states(opt, tmp_path):
     model2, eng2 = make("bf16-mixed", opt=opt)
     load_checkpoint(eng2, tmp_path / "ck.pt")
     assert same(full_state(model2, eng2), full_state(model, eng))
+
+
+# --- a forward's checks belong to the step that back-propagates it ---------------------------
+@pytest.mark.parametrize("policy", ["fp8-hybrid", "mxfp8", "fp8-hybrid-unscaled"])
+def test_a_forward_never_back_propagated_does_not_count_for_the_next_step(policy):
+    model, bomb, eng = _bomb_net(policy)
+    (x, y), = batches(1)
+    bad = x.clone()
+    bad[3, 5] = math.inf
+    eng.model(bad)  # grad enabled, never back-propagated: the next step skipped on it
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y)), eng.last_step
+    out = model(bad)  # nor does one between the step's forward and its backward
+    loss = nn.functional.cross_entropy(model(x), y)
+    del out
+    assert eng.train_step(loss)
+
+
+@pytest.mark.parametrize("policy", ["fp8-hybrid", "fp16-mixed"])
+def test_grad_enabled_forwards_without_backward_do_not_pile_up(policy):
+    model, bomb, eng = _bomb_net(policy)
+    (x, y), = batches(1)
+    for _ in range(50):  # an evaluation loop with grad enabled that never steps
+        model(x)
+    assert eng._cast_flags == [] and eng._fwd_flags == []  # (200 cast checks had piled up under fp8)
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("policy", ["fp8-hybrid", "mxfp8"])
+def test_every_back_propagated_forward_counts(policy):
+    model, bomb, eng = _bomb_net(policy)
+    (x, y), = batches(1)
+    bad = x.clone()
+    bad[3, 5] = math.inf
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))
+    # two forwards in one loss: the first one's inf counts although a forward came after it
+    loss = nn.functional.cross_entropy(model(bad), y) + nn.functional.cross_entropy(model(x), y)
+    assert eng.train_step(loss) is False and eng.last_step["nonfinite_cast"].startswith("0.")
+    # gradient accumulation: each micro-batch's checks join the step at its own backward
+    eng.backward(nn.functional.cross_entropy(model(bad), y))
+    eng.backward(nn.functional.cross_entropy(model(x), y))
+    assert eng.step() is False
+    eng.zero_grad()
+    # zero_grad between the forward and its backward does not lose the forward's checks
+    loss = nn.functional.cross_entropy(model(bad), y)
+    eng.zero_grad()
+    assert eng.train_step(loss) is False
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))

@@ -27,6 +27,10 @@ optimizer.step() on the masters and refreshes the working copy; engine.zero_grad
 A saturating cast (FP8 recipes, formats without infinities) would turn an inf in an input,
 activation or gradient into a finite value: what enters one is checked on the device as it is
 cast, and the step is skipped as well (one read of all the checks, folded into the loss scaler's).
+A forward pass's checks belong to the step only once its outputs are back-propagated: they ride
+on its output tensors' autograd graph (a gradient hook moves them into the step's list when the
+backward pass reaches them), so a forward that is never back-propagated (evaluation with grad
+enabled, a stray call) neither counts for the next step nor piles up: its checks go with its graph.
 A plain loss.backward() / optimizer.step() would leave the masters without gradients: with
 parameters under the engine's care, both raise RuntimeError naming engine.backward/engine.step.
 """
@@ -91,6 +95,18 @@ class _Entry:
         return local(self.working.data)
 
 
+class _ForwardChecks:
+    """The checks one outermost forward pass recorded: the saturating casts' input-finite flags
+    and (detect_overflow) the leaves' output-finite flags. They join the step's lists when the
+    backward pass reaches the forward's outputs (Engine._take), once per backward pass."""
+    __slots__ = ("casts", "outputs", "taken_in")
+
+    def __init__(self):
+        self.casts: list = []
+        self.outputs: list = []
+        self.taken_in = -1
+
+
 @dataclass
 class _Frame:
     name: str
@@ -153,8 +169,12 @@ class Engine:
         self.last_step: dict = {}
         self.overflows: list[dict] = []
         self._frames: list[_Frame] = []
+        # the step's checks: those of the forwards back-propagated since the last step, and those
+        # of the casts in the backward passes; (label, finite: bool or 0-dim bool tensor)
         self._fwd_flags: list = []
-        self._cast_flags: list = []  # (label, input finite: bool or 0-dim bool tensor) of saturating casts
+        self._cast_flags: list = []
+        self._forward: _ForwardChecks | None = None  # the checks of the forward pass now running
+        self._backward_calls = 0
         self._stepping = False
         self._act_saturates = saturates(pol.activations) and self.cast_activations
         self._grad_saturates = (saturates(pol.grad_accum)
@@ -262,6 +282,8 @@ class Engine:
         def hook(module, args):
             if is_root:
                 self._enter_forward()
+            if is_root or not self._frames:  # the outermost hooked call: a new forward pass
+                self._forward = _ForwardChecks()
             self._frames.append(_Frame(name, fp32))
             if outermost_fp32 and self.compute_dtype != torch.float32:
                 if takes_bf16 and self.compute_dtype == torch.bfloat16 and not self.cast_activations:
@@ -282,15 +304,47 @@ class Engine:
                 elif is_leaf and not fp32 and self.cast_activations:
                     fwd = self._activation_round(name or "<root>")
                     output = _map_float(output, lambda t: cast(t, fwd, None))
-                if self.detect_overflow and is_leaf:
-                    _map_float(output, lambda t: self._fwd_flags.append((name, torch.isfinite(t.detach()).all())) or t)
+                if self.detect_overflow and is_leaf and self._forward is not None:
+                    _map_float(output, lambda t: self._forward.outputs.append((name, torch.isfinite(t.detach()).all()))
+                               or t)
                 if is_root:
                     output = _map_float(output, lambda t: t.float())
+                if (is_root or not self._frames) and self._forward is not None:
+                    self._attach(self._forward, output)
                 return output
             finally:
                 if is_root:
                     self._exit_forward()
+                if is_root or not self._frames:
+                    self._forward = None
         return hook
+
+    def _attach(self, checks: _ForwardChecks, output) -> None:
+        """Hang `checks` on the autograd graph of the forward's floating outputs: a gradient hook
+        hands them to the step when a backward pass reaches an output (Engine._take). Without
+        grad, or when nothing was checked, they are dropped here."""
+        if not (checks.casts or checks.outputs) or not torch.is_grad_enabled():
+            return
+
+        def take(grad, checks=checks):
+            self._take(checks)
+
+        def hang(t):
+            if t.requires_grad:
+                t.register_hook(take)
+            return t
+        _map_float(output, hang)
+
+    def _take(self, checks: _ForwardChecks) -> None:
+        """A backward pass reached a forward's outputs: its checks join the step's (once per pass)."""
+        if checks.taken_in != self._backward_calls:
+            checks.taken_in = self._backward_calls
+            self._cast_flags.extend(checks.casts)
+            self._fwd_flags.extend(checks.outputs)
+
+    def _forward_log(self) -> list | None:
+        """Where a saturating cast in the forward pass now running logs its input's finiteness."""
+        return self._forward.casts if self._forward is not None else None
 
     def _activation_round(self, label: str):
         """The rounding of activations to the policy's format; where it saturates, each input's
@@ -300,7 +354,9 @@ class Engine:
             return lambda x: round_to(x, act)
 
         def rnd(x):
-            self._cast_flags.append((label, torch.isfinite(x).all()))
+            log = self._forward_log()
+            if log is not None:
+                log.append((label, torch.isfinite(x).all()))
             return round_to(x, act)
         return rnd
 
@@ -362,7 +418,7 @@ class Engine:
             if i in positions and (self.cast_forward or self._sampling):
                 slot = self._slot((layer, idx, i, "forward"), "forward")
                 slot.observer = self._observer(f"{layer}#{idx}.{i}", "forward") if self._sampling else None
-                slot.finite_log = self._cast_flags if torch.is_grad_enabled() else None  # not in evaluation
+                slot.finite_log = self._forward_log() if torch.is_grad_enabled() else None  # not in evaluation
                 if self.cast_forward:
                     a = cast(a, slot, None)
                 elif self._sampling:
@@ -386,6 +442,7 @@ class Engine:
         """Back-propagate the (scaled) loss and accumulate the gradients in the grad_accum format."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a one-element tensor")
+        self._backward_calls += 1  # the forwards this pass reaches hand their checks to the step (_take)
         self.scaler.scale_loss(loss.float()).backward()
         accum_fmt = get_format(self.policy.grad_accum)
         emulated_weights = self.storage_dtype == torch.float32 and self.weights_fmt.name != "fp32"
