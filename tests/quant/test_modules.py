@@ -291,6 +291,51 @@ for kernel in available_kernels("w8a8", (64, 256)):
     assert all(float(e) < 1e-5 for e in errors.values()), errors  # every kernel offered is exact
 
 
+def _vpmaddubsw_gemm(u8: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(u8 - 128) @ w.T the way oneDNN without VNNI sums it: uint8 x int8 products added in
+    pairs into a saturating int16, then in int32, less the 128 * sum(w) compensation."""
+    u, w = u8.to(torch.int64), w.to(torch.int64)
+    if u.shape[1] % 2:
+        u, w = nn.functional.pad(u, (0, 1)), nn.functional.pad(w, (0, 1))
+    pairs = (u[:, None, :] * w[None, :, :]).view(u.shape[0], w.shape[0], -1, 2).sum(-1)
+    return (pairs.clamp(-32768, 32767).sum(-1) - 128 * w.sum(-1)).to(torch.int32)
+
+
+@pytest.mark.parametrize("kernel", ["w8a8_onednn", "w8a8_int_mm"])
+@pytest.mark.parametrize("saturates", [lambda m, k: m > 32, lambda m, k: k % 64 != 0],
+                         ids=["many rows", "K off 64"])
+def test_the_int8_gemm_probe_catches_a_kernel_that_saturates_only_on_some_shapes(monkeypatch, kernel, saturates):
+    # oneDNN picks kernels by shape: one that saturates only for many rows (brgemm) or a K tail
+    # must not slip past a probe of 1 and 32 rows with K = 64
+    def gemm(u8, w):
+        exact = (u8.to(torch.int64) - 128) @ w.to(torch.int64).t()
+        return _vpmaddubsw_gemm(u8, w) if saturates(*u8.shape) else exact.to(torch.int32)
+
+    monkeypatch.setattr(ops, "onednn_prepack_int8", lambda w: w)
+    monkeypatch.setattr(ops, "int8_int8_matmul_onednn", lambda u8, w, s: gemm(u8, w).float() * s)
+    monkeypatch.setattr(ops, "int8_int8_matmul", lambda q, w: gemm((q.to(torch.int16) + 128).to(torch.uint8), w))
+    probe = qm.cpu_int8_gemm_exact.__wrapped__  # not the per-process answer of the real kernels
+    assert probe(kernel) is False
+    monkeypatch.setattr(ops, "int8_int8_matmul", lambda q, w: (q.to(torch.int64) @ w.to(torch.int64).t()).to(torch.int32))
+    monkeypatch.setattr(ops, "int8_int8_matmul_onednn", lambda u8, w, s: (
+        (u8.to(torch.int64) - 128) @ w.to(torch.int64).t()).float() * s)
+    assert probe(kernel) is True  # an exact GEMM passes
+
+
+def test_the_int8_gemm_probe_passes_onednn_here_with_vnni():
+    # the fast path stays on where oneDNN has VNNI/AMX (the probe's larger shapes included)
+    import os
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or not {"avx512_vnni", "avx_vnni", "amx_int8"} & flags:
+        pytest.skip("no VNNI for oneDNN here: its int8 GEMM saturates and is rightly refused")
+    assert qm.cpu_int8_gemm_exact("w8a8_int_mm")
+    assert not ops.onednn_int8_available() or qm.cpu_int8_gemm_exact("w8a8_onednn")
+
+
 def test_w8a8_kernels_agree_with_each_other():
     kernels = [k for k in ("w8a8_onednn", "w8a8_int_mm") if k in available_kernels("w8a8", (64, 96))]
     if len(kernels) < 2:

@@ -282,24 +282,32 @@ def cpu_int8_gemm_exact(kernel: str) -> bool:
     oneDNN without VNNI (AVX2-only CPUs such as AMD EPYC Rome and Milan, AVX-512 without VNNI;
     ONEDNN_MAX_CPU_ISA=AVX2 imitates them) multiplies uint8 x int8 pairs with vpmaddubsw, whose
     int16 sum of two products saturates (2 x 255 x 127 > 32767): the int32 results come out wrong
-    by up to 4e4, silently. There neither kernel is offered and w8a8 runs the dequant kernel."""
+    by up to 4e4, silently. There neither kernel is offered and w8a8 runs the dequant kernel.
+
+    oneDNN picks its kernel by shape (gemv for one row, other blockings and brgemm/AMX for many
+    rows, tail code for K off its 64-wide blocks and N off its 16-wide ones), so the probe runs
+    1, 32 and 256 rows, each with K a multiple of 64 and K not (200), N = 24, and puts the worst
+    case (activations 127, weight rows 127 and -127) in the first and last rows, where blocks and
+    tails start and end. Six small GEMMs, once per process."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randint(-127, 128, (16, 64), generator=g).to(torch.int8)
-    w[0], w[1] = 127, -127
-    for rows in (1, 32):
-        q = torch.randint(-127, 128, (rows, 64), generator=g).to(torch.int8)
-        q[0] = 127
-        want = q.to(torch.int64) @ w.to(torch.int64).t()
-        try:
-            if kernel == "w8a8_onednn":  # |sums| < 2^24: exact in its float32 result
-                got = ops.int8_int8_matmul_onednn((q.to(torch.int16) + 128).to(torch.uint8),
-                                                  ops.onednn_prepack_int8(w), torch.ones(16))
-            else:
-                got = ops.int8_int8_matmul(q, w)
-        except RuntimeError:
-            return False
-        if not torch.equal(got.to(torch.int64), want):
-            return False
+    try:
+        for k in (64, 200):  # |sums| <= K * 127^2 < 2^24: the onednn kernel's float32 is exact
+            w = torch.randint(-127, 128, (24, k), generator=g).to(torch.int8)
+            w[0], w[1], w[-1] = 127, -127, 127
+            packed = ops.onednn_prepack_int8(w) if kernel == "w8a8_onednn" else None
+            for rows in (1, 32, 256):
+                q = torch.randint(-127, 128, (rows, k), generator=g).to(torch.int8)
+                q[0], q[-1] = 127, 127
+                want = q.to(torch.int64) @ w.to(torch.int64).t()
+                if kernel == "w8a8_onednn":
+                    got = ops.int8_int8_matmul_onednn((q.to(torch.int16) + 128).to(torch.uint8),
+                                                      packed, torch.ones(w.shape[0]))
+                else:
+                    got = ops.int8_int8_matmul(q, w)
+                if not torch.equal(got.to(torch.int64), want):
+                    return False
+    except RuntimeError:
+        return False
     return True
 
 
