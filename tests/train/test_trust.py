@@ -93,7 +93,7 @@ def _crafted(tmp_path, monkeypatch, eng, edit):
     """A checkpoint with a valid digest whose state `edit` changed (as a foreign writer might)."""
     state = ckpt.engine_state(eng)
     edit(state)
-    monkeypatch.setattr(ckpt, "engine_state", lambda engine: state)
+    monkeypatch.setattr(ckpt, "engine_state", lambda engine, **kw: state)
     save_checkpoint(eng, tmp_path / "crafted.pt")
     monkeypatch.undo()
     return tmp_path / "crafted.pt"
@@ -397,3 +397,45 @@ def test_every_back_propagated_forward_counts(policy):
     eng.zero_grad()
     assert eng.train_step(loss) is False
     assert eng.train_step(nn.functional.cross_entropy(model(x), y))
+
+
+# --- saving and loading hold no second copy of the state --------------------------------------
+class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of tensors copied into new memory (clone, .to copies) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default):
+            self.nbytes += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-mixed-8bit-adam"])
+def test_checkpoints_are_saved_and_loaded_without_a_second_copy_of_the_state(policy, tmp_path):
+    import tracemalloc
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(384, 384) for _ in range(12)])
+    eng = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy)
+    eng.train_step(model(torch.randn(4, 384)).pow(2).mean())
+    expected = full_state(model, eng)
+    path = tmp_path / "ck.pt"
+    tracemalloc.start()
+    try:
+        with _NewTensors() as copies:
+            save_checkpoint(eng, path)
+        saved_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        with _NewTensors() as load_copies:
+            load_checkpoint(eng, path)
+        load_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = path.stat().st_size  # 14-25 MB: the state was cloned and the whole file held as bytes
+    assert copies.nbytes == 0 and saved_peak < size / 4  # what is left: a chunk of the hash
+    assert load_copies.nbytes == 0 and load_peak < size / 4
+    assert same(full_state(model, eng), expected)
+    assert eng.train_step(model(torch.randn(4, 384)).pow(2).mean())

@@ -11,8 +11,17 @@ File layout (version 2): a header, then the bytes torch.save wrote for the state
   payload          torch.save(state): a zip of pickled containers and tensor bytes
 torch's zip holds no reliable check of its contents (of 160 single-bit flips in a version-1 file,
 65 loaded as a different state), so the digest covers every byte after the magic: a flipped bit
-or a truncation anywhere is a CheckpointError. The payload is unpickled with
-torch.load(weights_only=True) from the very bytes whose digest was checked.
+or a truncation anywhere is a CheckpointError. The digest guards against corruption, not
+against someone who can write the file (anyone can compute a SHA-256): that is what
+torch.load(weights_only=True) is for, which runs no pickled code.
+
+Memory: saving streams torch.save into the file (the payload length and digest are filled into
+the header afterwards, the digest from one chunked read of what was written) over a state that
+references the live tensors instead of copying them; loading hashes the file in chunks, then
+torch.load reads the payload from the same open file. Neither holds a second copy of the state.
+The file is opened once for both: a save replacing the path meanwhile (a rename) does not
+change what this open file reads; a writer changing the very file in place between the hash and
+the load could slip in other bytes, but could as well write a file with a valid digest.
 
 Loading then checks the state against the engine in full — policy, optimizer class, every model
 tensor's key, shape and dtype, masters, compensation buffers, the optimizer's groups and states,
@@ -72,8 +81,12 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def engine_state(engine) -> dict:
-    """A copy of everything a step depends on; the engine and its optimizer are left as they are."""
+def engine_state(engine, copy_tensors: bool = True) -> dict:
+    """Everything a step depends on; the engine and its optimizer are left as they are. A copy
+    (Engine.state_dict's promise: later steps do not change it); with copy_tensors=False the
+    containers are new but the tensors are the live ones, for save_checkpoint to serialise
+    right away without a second copy of the state in memory."""
+    snap = _snapshot if copy_tensors else _referenced
     opt = engine.optimizer.state_dict()  # its per-parameter dicts are the live ones: never edit them
     states: dict = {}
     packed: dict = {}
@@ -81,20 +94,20 @@ def engine_state(engine) -> dict:
         own = {}
         for k, v in st.items():
             if isinstance(v, PackedState):
-                packed.setdefault(idx, {})[k] = _snapshot(v.to_dict())
+                packed.setdefault(idx, {})[k] = snap(v.to_dict())
                 own[k] = None
             else:
-                own[k] = _snapshot(v)
+                own[k] = snap(v)
         states[idx] = own
     return {
         "format": FORMAT_TAG,
         "policy": engine.policy.to_dict(),
         "optimizer_kind": optimizer_kind(engine.optimizer),
         "step_count": engine.step_count,
-        "model": {k: _local(v) for k, v in engine.model.state_dict().items()},
+        "model": {k: snap(v) for k, v in engine.model.state_dict().items()},
         "shards": {k: list(v.shape) for k, v in engine.model.state_dict().items() if is_dtensor(v)},
-        "masters": [e.master.detach().clone() for e in engine.entries],
-        "compensation": [e.compensation.clone() if e.compensation is not None else None for e in engine.entries],
+        "masters": [snap(e.master) for e in engine.entries],
+        "compensation": [snap(e.compensation) for e in engine.entries],
         "optimizer": {"state": states, "param_groups": copy.deepcopy(opt["param_groups"])},
         "packed_states": packed,
         "scaler": engine.scaler.state_dict(),
@@ -105,10 +118,12 @@ def engine_state(engine) -> dict:
     }
 
 
-def load_engine_state(engine, state: dict, path=None) -> None:
-    """Check `state` against the engine in full (check_engine_state), then restore it."""
+def load_engine_state(engine, state: dict, path=None, _owned: bool = False) -> None:
+    """Check `state` against the engine in full (check_engine_state), then restore it. The engine
+    keeps copies of the caller's tensors; `_owned` (load_checkpoint: a state nobody else holds)
+    lets it take them over instead."""
     check_engine_state(engine, state, path)
-    _apply(engine, state)
+    _apply(engine, state, _owned)
 
 
 def check_engine_state(engine, state, path=None) -> None:
@@ -309,12 +324,14 @@ def _check_rest(engine, state, fail) -> None:
         fail("'overflows' is not a list of dicts")
 
 
-def _apply(engine, state: dict) -> None:
-    """Copy a checked state into the engine (nothing here can fail on a state that passed)."""
+def _apply(engine, state: dict, owned: bool = False) -> None:
+    """Copy a checked state into the engine (nothing here can fail on a state that passed); an
+    `owned` state's tensors are taken over, not copied."""
+    snap = _referenced if owned else _snapshot
     _load_model(engine.model, state["model"])
     with torch.no_grad():
         for e, m, c in zip(engine.entries, state["masters"], state["compensation"]):
-            e.master.data = m.clone()
+            e.master.data = m if owned else m.clone()
             if c is not None:
                 e.compensation.copy_(c)
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
@@ -322,7 +339,7 @@ def _apply(engine, state: dict) -> None:
     ids = [i for g in saved["param_groups"] for i in g["params"]]
     by_id = dict(zip(ids, params))
     # copies: the optimizer never shares a tensor with the caller's state
-    engine.optimizer.load_state_dict({"state": _snapshot(saved["state"]),
+    engine.optimizer.load_state_dict({"state": snap(saved["state"]),
                                       "param_groups": copy.deepcopy(saved["param_groups"])})
     for p in params:  # this rank's shards of the states back into DTensors like their parameter's
         if is_dtensor(p) and p in engine.optimizer.state:
@@ -333,7 +350,7 @@ def _apply(engine, state: dict) -> None:
     for idx, entries in state["packed_states"].items():
         st = engine.optimizer.state[by_id[idx]]
         for k, d in entries.items():
-            st[k] = PackedState.from_dict(_snapshot(d))
+            st[k] = PackedState.from_dict(snap(d))
     engine.scaler.load_state_dict(state["scaler"])
     for k, g in engine.generators.items():
         g.set_state(state["generators"][k].cpu())
@@ -357,18 +374,83 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: dict | None = None) 
     is not changed."""
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
-    state = engine_state(engine)
+    state = engine_state(engine, copy_tensors=False)  # torch.save only reads the live tensors
     state["extra"] = dict(extra or {})
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getbuffer()
-    fields = _FIELDS.pack(VERSION, len(payload))
-    digest = hashlib.sha256(fields)
-    digest.update(payload)
     with replacing(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + fields + digest.digest())
-            f.write(payload)
+        with open(tmp, "w+b") as f:
+            f.write(bytes(HEADER_SIZE))  # filled in once the payload's length is known
+            torch.save(state, _Appender(f))
+            length = f.tell() - HEADER_SIZE
+            fields = _FIELDS.pack(VERSION, length)
+            f.seek(HEADER_SIZE)
+            digest = _hash_payload(f, fields, length)
+            f.seek(len(MAGIC))
+            f.write(fields + digest)
+            f.seek(0)
+            f.write(MAGIC)
+
+
+class _Appender:
+    """The write end of a file for torch.save: appends only (no seek), so the zip lands right
+    after the header."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data) -> int:
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+class _Region(io.RawIOBase):
+    """The bytes [start, start + length) of an open binary file, as a seekable read-only file of
+    their own (torch.load reads the zip at offset 0 of what it is given)."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        if n == 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(view[:n])
+        self._pos += got
+        return got
+
+
+_CHUNK = 1 << 20
+
+
+def _hash_payload(f, fields: bytes, length: int) -> bytes:
+    """SHA-256 of `fields` and the next `length` bytes of f, read in chunks (b"" if f ends early)."""
+    digest = hashlib.sha256(fields)
+    left = length
+    while left:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            return b""
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.digest()
 
 
 def read_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
@@ -380,9 +462,13 @@ def read_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
         if os.path.exists(path_s):
             raise CheckpointError("not a regular file", path)
         raise FileNotFoundError(f"no such file: {path_s}")
-    with open(path_s, "rb") as f:
-        header = f.read(HEADER_SIZE)
-        payload = f.read()
+    with open(path_s, "rb") as f:  # one open file for the hash and the load (see the module docstring)
+        return _read_open_checkpoint(f, path, map_location)
+
+
+def _read_open_checkpoint(f, path, map_location) -> dict:
+    header = f.read(HEADER_SIZE)
+    payload_size = os.fstat(f.fileno()).st_size - len(header)
     if not header.startswith(MAGIC):
         hint = (" (a plain torch.save file, or a checkpoint of fewbits before version 2, which had no "
                 "integrity check)" if header.startswith(b"PK\x03\x04") else "")
@@ -394,15 +480,14 @@ def read_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
     if version != VERSION:
         raise CheckpointError(f"not a readable fewbits training checkpoint: version {version} "
                               f"(this fewbits reads version {VERSION}; corrupted?)", path)
-    if length != len(payload):
-        raise CheckpointError(f"not a readable fewbits training checkpoint: {len(payload)} bytes of "
+    if length != payload_size:
+        raise CheckpointError(f"not a readable fewbits training checkpoint: {payload_size} bytes of "
                               f"payload, the header says {length} (truncated or corrupted)", path)
-    digest = hashlib.sha256(fields)
-    digest.update(payload)
-    if digest.digest() != header[len(MAGIC) + _FIELDS.size:]:
+    if _hash_payload(f, fields, length) != header[len(MAGIC) + _FIELDS.size:]:
         raise CheckpointError("checksum mismatch: the checkpoint is corrupted", path)
     try:
-        state = torch.load(io.BytesIO(payload), weights_only=True, map_location=map_location)
+        state = torch.load(io.BufferedReader(_Region(f, HEADER_SIZE, length), _CHUNK), weights_only=True,
+                           map_location=map_location)
     except Exception as exc:  # noqa: BLE001 - a file written by something else with a valid digest
         raise CheckpointError(f"not a readable fewbits training checkpoint ({type(exc).__name__}: {exc})",
                               path) from None
@@ -416,7 +501,7 @@ def load_checkpoint(engine, path: str | os.PathLike) -> dict:
     checked first (read_checkpoint, then check_engine_state): on CheckpointError the model,
     optimizer and engine are unchanged."""
     state = read_checkpoint(path, map_location=engine.device)
-    load_engine_state(engine, state, path)
+    load_engine_state(engine, state, path, _owned=True)  # read from the file: nobody else holds it
     return state.get("extra", {})
 
 
@@ -424,6 +509,18 @@ def load_checkpoint(engine, path: str | os.PathLike) -> dict:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain copy of t: this rank's shard for a DTensor."""
     return local(t).detach().clone()
+
+
+def _referenced(v):
+    """v in new containers holding the live tensors themselves (this rank's shard for a DTensor,
+    detached): what torch.save reads once, never what a caller keeps."""
+    if isinstance(v, torch.Tensor):
+        return local(v).detach()
+    if isinstance(v, dict):
+        return {k: _referenced(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_referenced(x) for x in v)
+    return v
 
 
 def _snapshot(v):
