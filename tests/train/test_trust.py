@@ -439,3 +439,19 @@ def test_checkpoints_are_saved_and_loaded_without_a_second_copy_of_the_state(pol
     assert load_copies.nbytes == 0 and load_peak < size / 4
     assert same(full_state(model, eng), expected)
     assert eng.train_step(model(torch.randn(4, 384)).pow(2).mean())
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp32"])
+def test_a_second_engine_over_the_same_model_or_optimizer_is_refused(policy):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng = Engine(model, opt, policy)
+    other_model = mlp()
+    for m, o in ((model, opt), (model, torch.optim.SGD(other_model.parameters(), lr=0.1)),
+                 (other_model, opt)):
+        with pytest.raises(RuntimeError, match="already under a fewbits Engine"):
+            Engine(m, o, policy)
+    (x, y), = batches(1)
+    assert eng.train_step(nn.functional.cross_entropy(model(x), y))  # the first one is unharmed
+    fresh = mlp()
+    Engine(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), policy)  # a new model and optimizer: fine

@@ -36,6 +36,7 @@ parameters under the engine's care, both raise RuntimeError naming engine.backwa
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,11 @@ def native_on(device: torch.device, fmt_name: str) -> torch.dtype | None:
     if dtype == torch.float16 and device.type == "cpu":
         return None
     return dtype
+
+
+# the engine each model and optimizer is under: building a second one over them cannot work (the
+# first replaced the model's parameters and holds the masters in the optimizer)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -141,7 +147,14 @@ class Engine:
         self.policy = Policy.preset(policy) if isinstance(policy, str) else policy
         if not isinstance(self.policy, Policy):
             raise TypeError(f"policy must be a Policy or a preset name, got {type(policy).__name__}")
+        for what, obj in (("model", model), ("optimizer", optimizer)):
+            owner = _OWNERS.get(obj)
+            if owner is not None and owner() is not None:
+                raise RuntimeError(f"this {what} is already under a fewbits Engine (which replaced the model's "
+                                   "parameters with working copies and holds the masters in the optimizer): "
+                                   "keep using that engine, or build a new model and optimizer for a new one")
         self.model, self.optimizer = model, optimizer
+        _OWNERS[model] = _OWNERS[optimizer] = weakref.ref(self)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None
                                                                        else torch.device("cpu"))
