@@ -20,6 +20,16 @@ import fewbits as fb
 from fewbits.formats import FloatFormat, IntFormat, LookupFormat, encode_value, round_value
 from fewbits.kernels.random import draw_seed, random_word_reference
 
+
+def ml_dtypes_rounds_exactly() -> bool:
+    """Whether the installed ml_dtypes rounds float64 input directly and gives the nearest E8M0
+    value for float32 subnormals, as fewbits does: from 0.7 on. Before 0.7 its casts went through
+    float32 first (double rounding) and gave 2^-126 for every float32 in (2^-127, 2^-126)."""
+    import ml_dtypes
+
+    major, minor = (int(p) for p in ml_dtypes.__version__.split(".")[:2])
+    return (major, minor) >= (0, 7)
+
 INPUT_DTYPES = (torch.float32, torch.float64)
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
              torch.float64: torch.int64}

@@ -8,7 +8,8 @@ that asserts exactly what differs:
   (a) NaN into a format without NaN (e2m1, e3m2, e2m3): ml_dtypes gives a zero; fewbits keeps NaN
       in round() and refuses it in encode();
   (b) e8m0: ties, zero, negatives and float32 subnormals (see the e8m0 tests);
-  (c) float64 input: ml_dtypes and torch round through float32 (double rounding); fewbits does not.
+  (c) float64 input: torch (and ml_dtypes before 0.7) round through float32 (double rounding);
+      fewbits and ml_dtypes 0.7+ do not.
 """
 import functools
 import math
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 import fewbits as fb
-from helpers import (ORACLE_TYPES, assert_same, boundary_inputs, generator, random_wide_floats, reference_round,
-                     same_mask)
+from helpers import (ORACLE_TYPES, assert_same, boundary_inputs, generator, ml_dtypes_rounds_exactly,
+                     random_wide_floats, reference_round, same_mask)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -169,8 +170,9 @@ def test_e8m0_difference_ties():
 
 
 def test_e8m0_difference_float32_subnormal_inputs():
-    """float32 subnormals in (2^-127, 1.5 * 2^-127): both libraries give 2^-126, the farther
-    neighbour; fewbits gives the nearest value 2^-127. Everywhere else they agree."""
+    """float32 subnormals in (2^-127, 1.5 * 2^-127): torch (and ml_dtypes before 0.7) give
+    2^-126, the farther neighbour; fewbits (and ml_dtypes 0.7+) give the nearest value 2^-127.
+    Everywhere else they agree."""
     bits = torch.cat([torch.arange(1, 1 << 23, 97, dtype=torch.int32),
                       torch.tensor([(1 << 22) - 1, 1 << 22, (1 << 22) + 1, 3 << 21, (3 << 21) - 1, (3 << 21) + 1],
                                    dtype=torch.int32)])
@@ -178,8 +180,8 @@ def test_e8m0_difference_float32_subnormal_inputs():
     ours = fb.round(x, "e8m0", "nearest_away", overflow="nan")
     window = (x > 2.0 ** -127) & (x < 1.5 * 2.0 ** -127)
     assert bool((ours[window] == 2.0 ** -127).all())
-    for theirs in (ml_round(x, "e8m0"), torch_round(x, "e8m0")):
-        assert bool((theirs[window] == 2.0 ** -126).all())
+    for theirs, nearest in ((ml_round(x, "e8m0"), ml_dtypes_rounds_exactly()), (torch_round(x, "e8m0"), False)):
+        assert bool((theirs[window] == (2.0 ** -127 if nearest else 2.0 ** -126)).all())
         assert_same(ours[~window], theirs[~window], x[~window], "outside the window")
     # the reference agrees with fewbits: |x - 2^-127| < |x - 2^-126| inside the window
     probe = torch.tensor([2.0 ** -127 * 1.25], dtype=torch.float32)
@@ -264,8 +266,10 @@ def test_difference_float64_double_rounding(name):
     if name == "fp16":
         # numpy's own float64 -> float16 cast is correctly rounded: it agrees with fewbits
         assert_same(theirs, ours, x, "numpy float16")
+    elif ml_dtypes_rounds_exactly():
+        assert_same(theirs, ours, x, "ml_dtypes 0.7+ rounds float64 directly")
     else:
-        assert_same(theirs, through_f32, x, "ml_dtypes rounds float64 through float32")
+        assert_same(theirs, through_f32, x, "ml_dtypes before 0.7 rounds float64 through float32")
     if SHARED[name][1]:
         theirs_t = x.to(torch_type(name)).double()
         assert_same(theirs_t, fb.round(x.float(), name, overflow="torch").double(), x,

@@ -104,11 +104,12 @@ def round(x, fmt, mode: str = "nearest_even", overflow: str | None = None,
     (expand()ed), and a read-only numpy array (bytes-backed, read-only mmap, non-writeable).
 
     E8M0 against torch's and ml_dtypes' float8_e8m0fnu casts: they round ties away (fewbits'
-    nearest_away), but give 2^-126 for every float32 subnormal strictly between 2^-127 and
-    2^-126, where fewbits gives the nearest power of two: 2^-127 below 1.5 * 2^-127 (and at that
-    tie except under nearest_away). Elsewhere nearest_away with overflow="torch" equals both bit
-    for bit, except that ml_dtypes maps 0 to NaN (torch and fewbits: 2^-127). No fewbits mode
-    reproduces their subnormal rule; x.to(torch.float8_e8m0fnu) does.
+    nearest_away). torch (and ml_dtypes before 0.7) give 2^-126 for every float32 subnormal
+    strictly between 2^-127 and 2^-126, where fewbits (and ml_dtypes 0.7) give the nearest power
+    of two: 2^-127 below 1.5 * 2^-127 (and at that tie except under nearest_away). Elsewhere
+    nearest_away with overflow="torch" equals both bit for bit, except that ml_dtypes maps 0 to
+    NaN (torch and fewbits: 2^-127). No fewbits mode reproduces torch's subnormal rule;
+    x.to(torch.float8_e8m0fnu) does.
     """
     fmt = get_format(fmt)
     wx = _to_torch(x)
