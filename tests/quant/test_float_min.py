@@ -35,6 +35,7 @@ def test_q4_1_preset_describes_the_gguf_layout():
     assert QuantScheme.from_dict(s.to_dict()) == s
     old = s.to_dict()
     del old["zero_point"]  # descriptions written before the field existed: integer zero points
+    old["scale_method"] = "absmax"  # (and before scale_method "gguf", which needs the float minimum)
     assert QuantScheme.from_dict(old).zero_point == "int"
 
 
@@ -61,18 +62,25 @@ def test_constant_groups_and_positive_minimums():
 
 
 def test_float_min_rounding_matches_the_scalar_rule():
+    # q4_1 is llama.cpp's quantize_row_q4_1_ref (scale_method "gguf"): d = (max - min) / 15 and
+    # id = 1/d in float32 from the unrounded values, q = trunc((x - min) * id + 0.5); only d and
+    # min are stored as fp16. (Before, the codes used the fp16-rounded d and min and round half
+    # to even, which differs from GGUF in about two codes in a thousand.)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(8, 70, generator=gen)  # 70 columns: the last group is padded
     qt = quantize(x, "q4_1")
     xs, d, m = x.tolist(), qt.scale_values().tolist(), qt.minimum_values().tolist()
     codes = qt.int_codes()
+    f32 = torch.float32
     for r in range(8):
         for c in range(70):
             g = c // 32
-            lo = min(xs[r][g * 32:(g + 1) * 32])
-            assert m[r][g] == float(torch.tensor(lo).half())
-            s32 = torch.tensor(d[r][g], dtype=torch.float32)
-            want = torch.round((torch.tensor(xs[r][c]) - m[r][g]) * (1.0 / s32)).clamp(0, 15)
+            group = xs[r][g * 32:min((g + 1) * 32, 70)]
+            lo, hi = torch.tensor(min(group), dtype=f32), torch.tensor(max(group), dtype=f32)
+            d32 = (hi - lo) / 15
+            assert m[r][g] == float(lo.half()) and d[r][g] == float(d32.half())
+            y = (torch.tensor(xs[r][c], dtype=f32) - lo) * (1.0 / d32)
+            want = torch.trunc(y + 0.5).clamp(0, 15)
             assert int(codes[r, c]) == int(want), (r, c)
 
 

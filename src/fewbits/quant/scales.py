@@ -114,6 +114,11 @@ class Scaling:
     zero_point: int64 [rows, groups] on the unsigned grid (asymmetric schemes), else None.
     minimum: float32 [rows, groups], rounded to the scale format (zero_point="float"), else None.
     tensor_scale: float32 scalar (NVFP4), else None.
+    gguf: "q8_0" | "q4_0" | "q4_1" for scale_method "gguf" (llama.cpp's element arithmetic, which
+        scaled() then applies: it returns the elements already rounded), else None.
+    gguf_minimum: float32 [rows, groups], the unrounded group minimum the "q4_1" elements are
+        measured from (minimum holds it rounded to the scale format), else None.
+    gguf_levels: 2^bits of the element format (GGUF recipes: the unsigned grid is 0..levels-1).
     """
 
     scale: torch.Tensor
@@ -122,11 +127,17 @@ class Scaling:
     zero_point: torch.Tensor | None = None
     minimum: torch.Tensor | None = None
     tensor_scale: torch.Tensor | None = None
+    gguf: str | None = None
+    gguf_minimum: torch.Tensor | None = None
+    gguf_levels: int = 0
 
     def scaled(self, g: torch.Tensor) -> torch.Tensor:
         """The elements to round: (g - minimum) * multiplier (+ zero_point), as quantize() computes
         them. MX and NVFP4 multiply as their recipes (torchao) do; the others read 0 / a scale
-        below 2^-128 as 0."""
+        below 2^-128 as 0. GGUF recipes return the elements rounded as llama.cpp rounds them
+        (integers on the signed or unsigned grid: rounding them again changes nothing)."""
+        if self.gguf is not None:
+            return gguf_elements(g, self)
         if self.minimum is not None:
             g = g - self.minimum.unsqueeze(-1)
         if self.codes is not None:
@@ -154,6 +165,8 @@ def choose(g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale: torch.Tens
         ts = nvfp4_tensor_scale(g, scheme) if tensor_scale is None else tensor_scale
         codes, block = nvfp4_block_scales(g, ts, scheme)
         return Scaling(nvfp4_scale_values(codes, ts), (1.0 / ts) / block, codes=codes, tensor_scale=ts)
+    if scheme.scale_method == "gguf":
+        return gguf_scaling(g, valid, scheme)
     if scheme.zero_point == "float":
         scale, minimum = float_min_params(g, valid, scheme)
         return Scaling(scale, reciprocal(scale), minimum=minimum)
@@ -236,6 +249,59 @@ def float_min_params(g: torch.Tensor, valid, scheme: QuantScheme):
     hi = (torch.where(valid, g, -big) if valid is not None else g).amax(-1)
     scale = round_scales(divide(hi - lo, qmax), scheme.scale_format)
     return scale, round_scales(lo, scheme.scale_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF legacy blocks: llama.cpp's reference quantizers (gguf.quants.quantize), bit for bit
+# ---------------------------------------------------------------------------------------------
+def _gguf_reciprocal(d: torch.Tensor) -> torch.Tensor:
+    """id = 1/d in float32, 0 where d is 0 (llama.cpp: `d ? 1.0f/d : 0.0f`)."""
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def gguf_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
+    """The Scaling of scale_method "gguf" (see QuantScheme): d from the group's float32 statistics,
+    the multiplier 1/d of the unrounded d, d and the minimum stored rounded to the scale format.
+    Padding (a row length that is not a multiple of the group) is ignored: GGUF has none."""
+    fmt = scheme.format
+    if not g.shape[-1]:
+        zero = g.new_zeros(g.shape[:-1])
+        return Scaling(zero, zero.clone(), gguf="q8_0" if fmt.bits == 8 else "q4_0", gguf_levels=2 ** fmt.bits)
+    if scheme.zero_point == "float":  # Q4_1 / Q5_1
+        big = torch.tensor(float("inf"))
+        lo = (torch.where(valid, g, big) if valid is not None else g).amin(-1)
+        hi = (torch.where(valid, g, -big) if valid is not None else g).amax(-1)
+        d = divide(hi - lo, float(2 ** fmt.bits - 1))
+        return Scaling(round_scales(d, scheme.scale_format), _gguf_reciprocal(d),
+                       minimum=round_scales(lo, scheme.scale_format), gguf="q4_1", gguf_minimum=lo, gguf_levels=2 ** fmt.bits)
+    if fmt.bits == 8:  # Q8_0
+        d = divide(group_amax(g), float(fmt.max))
+        return Scaling(round_scales(d, scheme.scale_format), _gguf_reciprocal(d), gguf="q8_0", gguf_levels=2 ** fmt.bits)
+    # Q4_0 / Q5_0: the value of largest magnitude (the first such, as numpy's argmax) maps to the lowest code
+    signed_max = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d = divide(signed_max, float(fmt.lowest))
+    return Scaling(round_scales(d, scheme.scale_format), _gguf_reciprocal(d), gguf="q4_0", gguf_levels=2 ** fmt.bits)
+
+
+def gguf_elements(g: torch.Tensor, s: Scaling) -> torch.Tensor:
+    """Elements rounded as llama.cpp's reference quantizers round them, in float32 as it computes:
+    q8_0: roundf(x * id) (half away from zero); q4_0: trunc(x * id + (offset + 0.5)) - offset,
+    offset = 8 (int4) or 16 (int5), the sum clamped to 0..2^b-1 (the float32 addition itself may
+    round up: x * id just below a half can go up); q4_1: trunc((x - min) * id + 0.5), clamped."""
+    top = float(s.gguf_levels - 1)
+    if s.gguf == "q8_0":
+        y = _times(g, s.multiplier)
+        a = y.abs()
+        f = torch.floor(a)
+        q = f + (a - f >= 0.5).to(a.dtype)  # exact: a - floor(a) needs no rounding
+        half = float(s.gguf_levels // 2 - 1)  # 127: Q8_0 never reaches -128
+        return torch.copysign(q, y).clamp_(-half, half).add_(0.0)
+    if s.gguf == "q4_1":
+        y = _times(g - s.gguf_minimum.unsqueeze(-1), s.multiplier)
+        return torch.trunc(y + 0.5).clamp_(0.0, top).add_(0.0)
+    offset = float(s.gguf_levels // 2)
+    y = _times(g, s.multiplier)
+    return (torch.trunc(y + (offset + 0.5)).clamp_(0.0, top) - offset).add_(0.0)
 
 
 def _mse_search(g, valid, scheme, candidate, quantize_dequantize):

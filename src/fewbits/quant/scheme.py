@@ -26,7 +26,7 @@ from ..formats import normalize_name
 
 GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
 SCALE_FORMATS = ("fp32", "fp16", "bf16", "e8m0", "e4m3", "none")
-SCALE_METHODS = ("absmax", "percentile", "mse")
+SCALE_METHODS = ("absmax", "percentile", "mse", "gguf")
 ZERO_POINTS = ("int", "float")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 DOUBLE_QUANT_BLOCK = 256  # QLoRA: the group scales are quantized to int8 in blocks of 256
@@ -57,7 +57,17 @@ class QuantScheme:
     symmetric: False for an unsigned integer grid with a zero point (integers only).
     scale_format: fp32 | fp16 | bf16 | e8m0 | e4m3 | none (plain cast: no scale at all).
     scale_method: absmax | percentile (clip at that percentile of |x| per group) | mse (search
-        the clipping ratio that minimizes the squared error per group).
+        the clipping ratio that minimizes the squared error per group) | gguf (llama.cpp's
+        reference quantizers, as the gguf package's numpy `gguf.quants.quantize` computes them, bit
+        for bit; integer formats in groups): symmetric 8-bit is Q8_0 (d = amax / 127, codes
+        roundf(x * (1/d))); symmetric fewer bits is Q4_0 / Q5_0 (d = the value of largest
+        magnitude, with its sign, / lowest code (-8, -16), codes trunc(x * (1/d) + 8.5) - 8,
+        clamped); zero_point="float" is Q4_1 / Q5_1 (d = (max - min) / (2^b - 1), codes
+        trunc((x - min) * (1/d) + 0.5), clamped). In each, 1/d is the float32 reciprocal of the
+        unrounded d (0 where d is 0) and the minimum subtracted is the unrounded one; only d and
+        the minimum are stored rounded to the scale format. The recipe rounds the elements
+        itself, so mode stays nearest_even. Q4_0's d is negative where the largest magnitude is
+        positive.
     mx_scale_mode: floor | ceil | even | rceil, as in torchao's MX casts (E8M0 scales only).
     mode: element rounding mode; stochastic rounding draws from `seed`. "bitsandbytes" (codebooks
         only; the nf4 presets use it) is bitsandbytes' NF4 rounding: float32 bucket bounds, ties
@@ -121,6 +131,16 @@ class QuantScheme:
             raise ValueError("e8m0 scales are the MX block scale: use granularity='mx'")
         if self.scale_method not in SCALE_METHODS:
             raise ValueError(f"scale_method must be one of {', '.join(SCALE_METHODS)}, got {self.scale_method!r}")
+        if self.scale_method == "gguf":
+            if not isinstance(fmt, IntFormat) or g != "group":
+                raise ValueError("scale_method='gguf' (llama.cpp's block quantizers) takes an integer format "
+                                 f"in groups, got {fmt.name} with granularity {g!r}")
+            if self.mode != "nearest_even" or self.double_quant:
+                raise ValueError("scale_method='gguf' rounds the elements as llama.cpp does and keeps its scales: "
+                                 f"leave mode at nearest_even (got {self.mode!r}) and double_quant off")
+            if not self.symmetric and self.zero_point != "float":
+                raise ValueError("scale_method='gguf' with symmetric=False is Q4_1 / Q5_1: it needs "
+                                 "zero_point='float'")
         if g == "mx" and self.scale_method != "absmax":
             raise ValueError("MX scales are set by mx_scale_mode (floor/ceil/even/rceil), not scale_method")
         if not 0 < self.percentile <= 100:
@@ -145,9 +165,9 @@ class QuantScheme:
             if self.scale_format not in ("fp32", "fp16", "bf16"):
                 raise ValueError("zero_point='float' stores the minimums in the scale format: use fp32, fp16 "
                                  f"or bf16 scales, got {self.scale_format!r}")
-            if self.scale_method != "absmax":
+            if self.scale_method not in ("absmax", "gguf"):
                 raise ValueError("zero_point='float' takes the group minimum and maximum as they are: "
-                                 f"scale_method must be 'absmax', got {self.scale_method!r}")
+                                 f"scale_method must be 'absmax' or 'gguf', got {self.scale_method!r}")
         if isinstance(fmt, IntFormat) and self.symmetric and not fmt.signed:
             raise ValueError(f"{fmt.name} is unsigned: use a signed format, or symmetric=False for a zero point")
         if fmt.bits > 16:
@@ -339,9 +359,16 @@ def _presets() -> dict[str, QuantScheme]:
         S("uint4", "group", group_size=128, symmetric=False, name="int4_asym"),
         S("int4", "group", group_size=32, name="int4_g32"),
         S("uint4", "group", group_size=32, symmetric=False, name="int4_asym_g32"),
-        # GGUF Q4_1: per 32 values an fp16 scale d and an fp16 minimum m, w = d * q + m
+        # GGUF's legacy blocks of 32, quantized bit for bit as gguf.quants.quantize does (scale_method
+        # "gguf"): Q8_0 and Q4_0 (an fp16 scale d, w = d * q), Q4_1 and Q5_1 (fp16 d and minimum m,
+        # w = d * q + m), Q5_0; fewbits.files.gguf_blocks writes them as GGUF block bytes
+        S("int8", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="q8_0"),
+        S("int4", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="q4_0"),
         S("uint4", "group", group_size=32, symmetric=False, scale_format="fp16", zero_point="float",
-          name="q4_1"),
+          scale_method="gguf", name="q4_1"),
+        S("int5", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="q5_0"),
+        S("uint5", "group", group_size=32, symmetric=False, scale_format="fp16", zero_point="float",
+          scale_method="gguf", name="q5_1"),
         S("int4", "channel", name="int4_channel"),
         S("int3", "group", group_size=64, name="int3"),
         S("int2", "group", group_size=64, name="int2"),
