@@ -118,3 +118,26 @@ def test_gptq_codes_are_written_exactly(name):
     blocks = encode_blocks(qt)
     got = gguf.quants.dequantize(blocks, GGMLQuantizationType[name])
     assert np.array_equal(got, qt.dequantize().numpy())
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_decode_blocks_reads_gguf_bytes(name):
+    from fewbits.files.gguf_blocks import decode_blocks
+
+    preset, _, size = GGUF_BLOCK_TYPES[name]
+    qtype = GGMLQuantizationType[name]
+    w = hard_weights((2, 6, 64), seed=11)
+    raw = gguf.quants.quantize(w.numpy(), qtype)
+    qt = decode_blocks(raw, name, w.shape)
+    assert qt.scheme == fb.quant.get_scheme(preset) and tuple(qt.shape) == tuple(w.shape)
+    assert np.array_equal(qt.dequantize().numpy(), gguf.quants.dequantize(raw, qtype))
+    mine = fb.quantize(w, preset)  # the same codes and scales as quantizing here
+    assert qt.state_dict().keys() == mine.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(qt.state_dict().values(), mine.state_dict().values()))
+    assert encode_blocks(qt).tobytes() == raw.tobytes()
+    with pytest.raises(ValueError, match=f"must be {12 * 2 * size} bytes"):
+        decode_blocks(raw.reshape(-1)[:-1], name, w.shape)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode_blocks(raw, name, (12, 4, 16))
+    with pytest.raises(ValueError, match="unknown GGUF block type 'Q4_K'"):
+        decode_blocks(raw, "Q4_K", w.shape)

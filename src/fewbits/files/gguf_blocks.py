@@ -10,7 +10,11 @@ q5_1 written as the blocks of 32 values llama.cpp reads (ggml-common.h), little-
 Byte j of the nibbles holds element j in its low nibble and element j + 16 in its high one; in
 Q5_*, bit i of qh is bit 4 of element i. The presets quantize as `gguf.quants.quantize` does
 (scale_method "gguf"), so these bytes equal the gguf package's own, and `gguf.quants.dequantize`
-of them equals QuantizedTensor.dequantize() bit for bit. Needs no gguf package.
+of them equals QuantizedTensor.dequantize() bit for bit; decode_blocks reads such bytes back
+into a QuantizedTensor. Needs no gguf package.
+
+Known difference: a block whose scale overflows fp16 (Q8_0: |x| > 65504 * 127) gets an infinite d
+in gguf and the saturated 65504 in fewbits (round_scales saturates).
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..kernels import encode, pack
 from ..quant.scheme import QuantScheme, get_scheme
-from ..quant.tensor import QuantizedTensor
+from ..quant.tensor import _PACK_ORDER, QuantizedTensor
 
 BLOCK = 32
 # GGML type name -> (fewbits preset, GGMLQuantizationType value, bytes per block)
@@ -84,3 +89,48 @@ def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
     blocks = np.concatenate(parts, axis=-1)
     assert blocks.shape[-1] == type_size
     return blocks.reshape(*shape[:-1], groups * type_size)
+
+
+def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+    """A QuantizedTensor of the matching preset from GGUF block bytes of type `type_name` ("Q4_0",
+    ...) holding a tensor of `shape` (numpy shape order: the last dimension is the row). The
+    bytes are checked against the shape first (a file's tensor is untrusted); the result's
+    dequantize() equals gguf.quants.dequantize of the same bytes."""
+    if type_name not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"unknown GGUF block type {type_name!r}; supported: {', '.join(GGUF_BLOCK_TYPES)}")
+    preset, _, type_size = GGUF_BLOCK_TYPES[type_name]
+    scheme = get_scheme(preset)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0 or shape[-1] % BLOCK or any(s < 0 for s in shape):
+        raise ValueError(f"GGUF {type_name} holds rows of a multiple of {BLOCK} values; shape {shape} has not")
+    raw = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1)
+    rows, _, _, groups = scheme.layout(shape)
+    if raw.size != rows * groups * type_size:
+        raise ValueError(f"GGUF {type_name} data for shape {shape} must be {rows * groups * type_size} bytes "
+                         f"({rows * groups} blocks of {type_size}), got {raw.size}")
+    b = raw.reshape(rows, groups, type_size)
+
+    def halves(at):
+        return torch.from_numpy(np.ascontiguousarray(b[..., at:at + 2]).view("<f2")[..., 0].astype(np.float16))
+
+    scales = halves(0)
+    minimums = halves(2) if scheme.zero_point == "float" else None
+    at = 4 if minimums is not None else 2
+    bits = scheme.format.bits
+    if type_name == "Q8_0":
+        values = b[..., at:].view(np.int8).astype(np.int64)
+    else:
+        qh = None
+        if bits == 5:
+            qh = np.ascontiguousarray(b[..., at:at + 4]).view("<u4")[..., 0].astype(np.uint32)
+            at += 4
+        qs = b[..., at:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+        if qh is not None:
+            q |= ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.int64) << 4
+        values = q - (0 if minimums is not None else 2 ** (bits - 1))
+    # the element codes of these integer values, packed as quantize() packs them
+    v = torch.from_numpy(values.reshape(-1)).to(torch.float32)
+    codes = encode(v, scheme.format).reshape(-1)
+    return QuantizedTensor(scheme, shape, dtype, pack(codes.to(torch.uint8), bits, order=_PACK_ORDER),
+                           scales=scales, minimums=minimums)
