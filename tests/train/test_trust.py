@@ -260,12 +260,17 @@ def test_every_policy_skips_a_step_that_met_inf_or_nan(policy, value, where):
     assert eng.train_step(nn.functional.cross_entropy(model(x), y))  # and training goes on
 
 
+def _with_inf(x: torch.Tensor) -> torch.Tensor:
+    bad = x.clone()
+    bad[3, 5] = math.inf
+    return bad
+
+
 @pytest.mark.parametrize("policy", ["fp8-hybrid", "mxfp8", "fp8-hybrid-unscaled"])
 def test_fp8_skip_names_the_cast_and_evaluation_does_not_count(policy):
     model, bomb, eng = _bomb_net(policy)
     (x, y), = batches(1)
-    bad = x.clone()
-    bad[3, 5] = math.inf
+    bad = _with_inf(x)
     with torch.no_grad():  # an evaluation batch holding inf is not part of the next step
         model(bad)
     assert eng.train_step(nn.functional.cross_entropy(model(x), y))
@@ -357,8 +362,7 @@ def test_the_checks_accept_other_optimizers_states(opt, tmp_path):
 def test_a_forward_never_back_propagated_does_not_count_for_the_next_step(policy):
     model, bomb, eng = _bomb_net(policy)
     (x, y), = batches(1)
-    bad = x.clone()
-    bad[3, 5] = math.inf
+    bad = _with_inf(x)
     eng.model(bad)  # grad enabled, never back-propagated: the next step skipped on it
     assert eng.train_step(nn.functional.cross_entropy(model(x), y)), eng.last_step
     out = model(bad)  # nor does one between the step's forward and its backward
@@ -381,8 +385,7 @@ def test_grad_enabled_forwards_without_backward_do_not_pile_up(policy):
 def test_every_back_propagated_forward_counts(policy):
     model, bomb, eng = _bomb_net(policy)
     (x, y), = batches(1)
-    bad = x.clone()
-    bad[3, 5] = math.inf
+    bad = _with_inf(x)
     assert eng.train_step(nn.functional.cross_entropy(model(x), y))
     # two forwards in one loss: the first one's inf counts although a forward came after it
     loss = nn.functional.cross_entropy(model(bad), y) + nn.functional.cross_entropy(model(x), y)
