@@ -767,21 +767,30 @@ class _SequentialGPTQ:
             handle.remove()
         last = max((i for i, groups in enumerate(per_block) if groups), default=-1)
         for i in range(last + 1):
-            block = blocks[i]
-            for group in per_block[i]:
-                group_modules = {n: self.modules[n] for n in group}
-                stop_early = all(calls.get(n) == 1 for n in group)
-                with _HessianHooks(group_modules, stop_after_all=stop_early) as hooks, torch.no_grad():
-                    for hidden, rest, kwargs in cached:
-                        hooks.start_batch()
-                        _run_block(block, hidden, rest, kwargs)
-                    hessians = hooks.hessians()
-                for name in group:
-                    self.finish(name, hessians.pop(name), swap=True)
+            self.one_block(blocks[i], per_block[i], calls, cached)
             if i < last:
-                with torch.no_grad():
-                    for entry in cached:
-                        entry[0] = _run_block(block, *entry)
+                advance_block(blocks[i], cached)
+
+    def one_block(self, block: nn.Module, groups, calls, cached) -> None:
+        """GPTQ of one block's layers, group by group, from its cached inputs (a list of [hidden
+        states, other args, kwargs]); each layer computes with its quantized weights once done."""
+        for group in groups:
+            group_modules = {n: self.modules[n] for n in group}
+            stop_early = all(calls.get(n) == 1 for n in group)
+            with _HessianHooks(group_modules, stop_after_all=stop_early) as hooks, torch.no_grad():
+                for hidden, rest, kwargs in cached:
+                    hooks.start_batch()
+                    _run_block(block, hidden, rest, kwargs)
+                hessians = hooks.hessians()
+            for name in group:
+                self.finish(name, hessians.pop(name), swap=True)
+
+
+def advance_block(block: nn.Module, cached) -> None:
+    """Replace each cached block input by the block's output: the next block's input."""
+    with torch.no_grad():
+        for entry in cached:
+            entry[0] = _run_block(block, *entry)
 
 
 def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calibration,
