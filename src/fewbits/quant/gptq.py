@@ -751,20 +751,7 @@ class _SequentialGPTQ:
         """Capture the first block's inputs once, then run each block alone over the cached
         inputs: once per group of its layers (stopping at the group), once more to produce the
         next block's inputs from its quantized layers."""
-        device = _model_device(self.model)
-        cached = []
-
-        def capture(module, args, kwargs):
-            cached.append([args[0], args[1:], kwargs])
-            raise _StopForward
-
-        handle = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                for batch in self.batches:
-                    _run(self.model, batch, device)
-        finally:
-            handle.remove()
+        cached = capture_block_inputs(self.model, blocks[0], self.batches)
         last = max((i for i, groups in enumerate(per_block) if groups), default=-1)
         for i in range(last + 1):
             self.one_block(blocks[i], per_block[i], calls, cached)
@@ -784,6 +771,26 @@ class _SequentialGPTQ:
                 hessians = hooks.hessians()
             for name in group:
                 self.finish(name, hessians.pop(name), swap=True)
+
+
+def capture_block_inputs(model: nn.Module, block: nn.Module, batches) -> list[list]:
+    """The inputs `block` gets on each calibration batch, as [hidden states, other positional
+    args, kwargs]: the model runs up to the block and stops there."""
+    device = _model_device(model)
+    cached = []
+
+    def capture(module, args, kwargs):
+        cached.append([args[0], args[1:], kwargs])
+        raise _StopForward
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                _run(model, batch, device)
+    finally:
+        handle.remove()
+    return cached
 
 
 def advance_block(block: nn.Module, cached) -> None:
