@@ -38,12 +38,11 @@ from torch import nn
 
 from .._version import __version__
 from ..atomic import replacing
-from ..formats import FLOAT_DTYPES, LookupFormat
-from ..kernels import unpack
+from ..formats import FLOAT_DTYPES
 from ..quant.plan import is_quantized, quantized_module, set_submodule
 from ..quant.modules import QuantEmbedding
 from ..quant.scheme import QuantScheme
-from ..quant.tensor import STATE_KEYS, QuantizedTensor, expected_keys
+from ..quant.tensor import STATE_KEYS, QuantizedTensor, codes_outside_format, expected_keys
 
 FORMAT_MARKER = "fewbits"
 FORMAT_VERSION = 1
@@ -480,48 +479,13 @@ def _quantized_tensors(path, listed: dict, tensors: dict, prefix_fmt: str) -> di
             qt = QuantizedTensor.from_state_dict(scheme, shape, dtype, {k: tensors[prefix + k] for k in want})
         except (TypeError, ValueError, IndexError) as e:
             raise FileFormatError(path, f"{where}: {e}") from None
-        bad = _codes_outside_format(qt)
+        bad = codes_outside_format(qt)
         if bad:
             raise FileFormatError(path, f"{where}: {bad}")
         for k in want:
             del tensors[prefix + k]
         out[name] = (qt, kind)
     return out
-
-
-_CODE_CHUNK = 1 << 20  # element codes unpacked at a time by the range check
-
-
-def _codes_outside_format(qt: QuantizedTensor) -> str | None:
-    """Why the element codes do not all name values of the scheme's format, or None. Only a
-    codebook with fewer than 2^bits values, or a format of 9 to 15 bits stored in 16-bit
-    words, leaves bit patterns that are no code; a file that held them would load, then give
-    NaN in some kernels and raise in dequantize()."""
-    fmt = qt.scheme.format
-    bits = fmt.bits
-    limit = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** bits
-    if bits > 8:
-        limit = min(limit, 2 ** 16)
-        if limit == 2 ** 16:
-            return None
-        for start in range(0, qt.codes.numel(), _CODE_CHUNK):
-            top = int((qt.codes[start:start + _CODE_CHUNK].to(torch.int32) & 0xFFFF).max())
-            if top >= limit:
-                return f"code {top} is outside the format {fmt.name} (codes 0..{limit - 1})"
-        return None
-    if limit >= 2 ** bits:
-        return None
-    rows, _, pcols, _ = qt.scheme.layout(qt.shape)
-    n = rows * pcols
-    per = math.lcm(bits, 8) // bits  # codes per run of whole bytes
-    step = max(per, _CODE_CHUNK // per * per)
-    for start in range(0, n, step):
-        count = min(step, n - start)
-        first = start * bits // 8
-        top = int(unpack(qt.codes[first:first + -(-count * bits // 8)], bits, count, order="low_first").max())
-        if top >= limit:
-            return f"code {top} is outside the codebook {fmt.name} of {limit} values"
-    return None
 
 
 def _listing(names) -> str:

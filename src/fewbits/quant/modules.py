@@ -38,6 +38,12 @@ dequantized by fewbits.quant.quantize). Where a kernel keeps the codes in its ow
 layout when read, bit-identical to the codes quantize() produced. `.nbytes` counts every byte
 the module holds for its weight, kernel-side extras included (e.g. the bfloat16 scale pairs).
 
+State: `module.state_dict()` holds the quantized weight as `qweight.<key>` for each key of its
+QuantizedTensor.state_dict() (codes, scales, zero_points, ...), plus `bias`; `load_state_dict()`
+restores it exactly (validated first, the kernel layout rebuilt). `QuantLinear.empty(scheme,
+shape, dtype, bias=...)` / `QuantEmbedding.empty(...)` build a module with no data on the meta
+device, for a model skeleton that load_state_dict() fills.
+
 The modules are for inference: their weights are not parameters. With gradients wanted for
 the input (x.requires_grad under grad mode) a QuantLinear runs the reference path, which is
 differentiable in x.
@@ -57,9 +63,10 @@ from ..kernels import native
 from . import lowbit_ops as ops
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
-from .tensor import STATE_KEYS, QuantizedTensor, quantize
+from .tensor import STATE_KEYS, QuantizedTensor, codes_outside_format, expected_keys, quantize
 
 KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant")
+QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 _ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
 
 
@@ -403,6 +410,75 @@ class _QuantizedWeightViews:
         bias is not included."""
         return self._qweight.nbytes
 
+    # --- state_dict / load_state_dict ---------------------------------------------------------
+    # The quantized weight is no Parameter, so torch would leave it out of model.state_dict(). It
+    # goes in as `<prefix>qweight.<key>` for each key of its QuantizedTensor.state_dict() (the
+    # names fb.save uses), the codes as the QuantizedTensor holds them whatever the kernel's layout.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, t in self._qweight.state_dict().items():
+            destination[f"{prefix}{QWEIGHT}.{key}"] = t if keep_vars else t.detach()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Restores the quantized weight from `<prefix>qweight.<key>` entries: a new QuantizedTensor
+        of this module's scheme, shape and dtype, validated (tensor shapes and dtypes, element
+        codes in their format) before anything changes; then the bias as torch loads it, then the
+        kernel layout is rebuilt for the loaded weight. Missing entries and (strict) unexpected
+        ones are reported as torch reports them. With assign=False the tensors are copied to the
+        module's device, as torch copies into parameters; with assign=True, or into a module on
+        the meta device (a skeleton, see empty()), the module takes the given tensors."""
+        qprefix = f"{prefix}{QWEIGHT}."
+        given = {k[len(qprefix):]: v for k, v in state_dict.items() if k.startswith(qprefix)}
+        rest = {k: v for k, v in state_dict.items() if not k.startswith(qprefix)}
+        want = expected_keys(self.scheme)
+        missing = [k for k in want if k not in given]
+        missing_keys.extend(qprefix + k for k in missing)
+        if strict:
+            unexpected_keys.extend(qprefix + k for k in given if k not in want)
+        current = self._qweight
+        meta = current.device.type == "meta"
+        assign = bool(local_metadata.get("assign_to_params_buffers", False)) or meta
+        loaded = None
+        if not missing:
+            loaded = _loaded_qweight(current, {k: given[k] for k in want}, assign, qprefix[:-1], error_msgs)
+            if loaded is None:
+                return
+        errors_before = len(error_msgs)
+        bias = getattr(self, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.is_meta:  # a skeleton's bias takes the given tensor
+            local_metadata = {**local_metadata, "assign_to_params_buffers": True}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if loaded is not None and len(error_msgs) == errors_before:
+            self._set_qweight(loaded)
+
+
+def _loaded_qweight(current: QuantizedTensor, tensors: dict, assign: bool, where: str,
+                    error_msgs: list) -> QuantizedTensor | None:
+    """The QuantizedTensor that `tensors` make in `current`'s scheme, shape and dtype, or None
+    with the reason appended to error_msgs (as torch reports a bad entry)."""
+    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        error_msgs.append(f"While loading {where}: {', '.join(bad)} must be tensors")
+        return None
+    if not assign:
+        device = current.device
+        tensors = {k: v.detach().to(device, copy=True) for k, v in tensors.items()}
+    else:
+        tensors = {k: v.detach() for k, v in tensors.items()}
+    try:
+        qt = QuantizedTensor.from_state_dict(current.scheme, current.shape, current.dtype, tensors)
+    except (TypeError, ValueError) as e:
+        error_msgs.append(f"While loading {where} ({current.scheme.label}, shape {tuple(current.shape)}): {e}")
+        return None
+    if qt.device.type != "meta":
+        problem = codes_outside_format(qt)
+        if problem:
+            error_msgs.append(f"While loading {where}: {problem}")
+            return None
+    return qt
+
 
 class QuantLinear(_QuantizedWeightViews, nn.Module):
     """nn.Linear with a quantized weight (see the module docstring for the kernels).
@@ -461,6 +537,15 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         possible = available_kernels(qweight.scheme, qweight.shape, qweight.device)
         self._install(qweight, self.kernel if self.kernel in possible else possible[0])
 
+    def _set_qweight(self, qweight: QuantizedTensor) -> None:
+        """Hold `qweight` (same scheme and shape) with the kernel for its device: the one named at
+        construction where it can run there, else the fastest."""
+        if isinstance(qweight, KernelQuantizedTensor):
+            qweight = qweight.plain()
+        possible = available_kernels(qweight.scheme, qweight.shape, qweight.device)
+        wanted = getattr(self, "_requested_kernel", "auto")
+        self._install(qweight, wanted if wanted in possible else possible[0])
+
     def _apply(self, fn, *args, **kwargs):
         # .to(device) / .cuda() / .cpu(): the bias moves as a parameter; the quantized weight
         # moves with it and its kernel is chosen again for the new device (a kernel named at
@@ -472,11 +557,18 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             qweight = self._qweight
             if isinstance(qweight, KernelQuantizedTensor):
                 qweight = qweight.plain()
-            qweight = qweight.to(device)
-            possible = available_kernels(qweight.scheme, qweight.shape, device)
-            wanted = getattr(self, "_requested_kernel", "auto")
-            self._install(qweight, wanted if wanted in possible else possible[0])
+            self._set_qweight(qweight.to(device))
         return self
+
+    @classmethod
+    def empty(cls, scheme, shape, dtype: torch.dtype = torch.float32, bias: bool = False,
+              bias_dtype: torch.dtype | None = None, device="meta", kernel: str = "auto") -> QuantLinear:
+        """A QuantLinear of this scheme, weight shape [out, in] and dtype whose tensors hold no data
+        (on the meta device by default: for a model skeleton); its load_state_dict() fills it and
+        picks the kernel for the loaded tensors' device."""
+        qweight = QuantizedTensor.empty(scheme, shape, dtype, device=device)
+        b = torch.empty(int(shape[0]), dtype=bias_dtype or dtype, device=device) if bias else None
+        return cls(qweight, b, kernel=kernel)
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -704,6 +796,9 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
                 raise ValueError(f"padding_idx {padding_idx} is out of range for {self.num_embeddings} embeddings")
             padding_idx %= self.num_embeddings
         self.padding_idx = padding_idx
+        self._set_qweight(qweight)
+
+    def _set_qweight(self, qweight: QuantizedTensor) -> None:
         self._qweight = qweight
         self._decoder = _RowDecoder(qweight) if _RowDecoder.supports(qweight) else None
 
@@ -712,9 +807,15 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
         super()._apply(fn, *args, **kwargs)
         device = fn(torch.empty(0, device=self._qweight.device)).device
         if device != self._qweight.device:
-            self._qweight = self._qweight.to(device)
-            self._decoder = _RowDecoder(self._qweight) if _RowDecoder.supports(self._qweight) else None
+            self._set_qweight(self._qweight.to(device))
         return self
+
+    @classmethod
+    def empty(cls, scheme, shape, dtype: torch.dtype = torch.float32, padding_idx: int | None = None,
+              device="meta") -> QuantEmbedding:
+        """A QuantEmbedding of this scheme, table shape [num_embeddings, dim] and dtype whose
+        tensors hold no data (meta by default), for load_state_dict() to fill."""
+        return cls(QuantizedTensor.empty(scheme, shape, dtype, device=device), padding_idx)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, scheme) -> QuantEmbedding:

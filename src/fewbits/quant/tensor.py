@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..formats import FLOAT_DTYPES, IntFormat, torch_dtype
+from ..formats import FLOAT_DTYPES, IntFormat, LookupFormat, torch_dtype
 from ..kernels import decode, encode, pack, unpack
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
@@ -80,17 +80,34 @@ def from_groups(g: torch.Tensor, scheme: QuantScheme, shape) -> torch.Tensor:
 # QuantizedTensor
 # ---------------------------------------------------------------------------------------------
 def expected_keys(scheme: QuantScheme) -> tuple[str, ...]:
-    """The STATE_KEYS a QuantizedTensor of this scheme holds."""
-    keys = ["codes"]
-    if scheme.scale_format != "none":
-        keys += ["dq_codes", "dq_scales", "dq_offset"] if scheme.double_quant else ["scales"]
-        if scheme.zero_point == "float":
-            keys.append("minimums")
-        elif not scheme.symmetric:
-            keys.append("zero_points")
-        if scheme.granularity == "nvfp4":
-            keys.append("tensor_scale")
-    return tuple(keys)
+    """The STATE_KEYS a QuantizedTensor of this scheme holds (those of state_shapes)."""
+    return tuple(state_shapes(scheme, (1, 1)))
+
+
+def state_shapes(scheme: QuantScheme, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{key: (shape, dtype)} of each tensor a QuantizedTensor of `shape` in this scheme holds (the
+    keys of expected_keys(scheme), in that order)."""
+    s = scheme
+    rows, _, pcols, groups = s.layout(shape)
+    n = rows * pcols
+    bits = s.format.bits
+    out = {"codes": ((-(-n * bits // 8),), torch.uint8) if bits <= 8 else ((n,), torch.int16)}
+    if s.scale_format == "none":
+        return out
+    n_sc = rows * groups
+    if s.double_quant:
+        out["dq_codes"] = ((n_sc,), torch.int8)
+        out["dq_scales"] = ((-(-n_sc // sc.DOUBLE_QUANT_BLOCK),), torch.float32)
+        out["dq_offset"] = ((), torch.float32)
+    else:
+        out["scales"] = ((rows, groups), _SCALE_DTYPES[s.scale_format])
+    if s.zero_point == "float":
+        out["minimums"] = ((rows, groups), _SCALE_DTYPES[s.scale_format])
+    elif not s.symmetric:
+        out["zero_points"] = ((-(-n_sc * bits // 8),), torch.uint8)
+    if s.granularity == "nvfp4":
+        out["tensor_scale"] = ((), torch.float32)
+    return out
 
 
 class QuantizedTensor:
@@ -124,11 +141,14 @@ class QuantizedTensor:
     # --- construction checks (also guard loading from files) --------------------------------
     def _validate(self):
         s = self.scheme
-        rows, _, pcols, groups = s.layout(self.shape)
-        n = rows * pcols
-        bits = s.format.bits
-
-        def need(name, t, shape, dtype):
+        expected = expected_keys(s)
+        extra = [k for k in STATE_KEYS if k not in expected and getattr(self, k) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} not used by scheme {s.label}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
+        for name, (shape, dtype) in state_shapes(s, self.shape).items():
+            t = getattr(self, name)
             if t is None:
                 raise ValueError(f"{name} is missing for scheme {s.label}")
             if not isinstance(t, torch.Tensor):
@@ -137,32 +157,14 @@ class QuantizedTensor:
                 raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} for shape {tuple(self.shape)} "
                                  f"in {s.label}; got {t.dtype} of shape {tuple(t.shape)}")
 
-        expected = expected_keys(s)
-        extra = [k for k in STATE_KEYS if k not in expected and getattr(self, k) is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} not used by scheme {s.label}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
-        if bits <= 8:
-            need("codes", self.codes, (-(-n * bits // 8),), torch.uint8)
-        else:
-            need("codes", self.codes, (n,), torch.int16)
-        if s.scale_format == "none":
-            return
-        n_sc = rows * groups
-        if s.double_quant:
-            blocks = -(-n_sc // sc.DOUBLE_QUANT_BLOCK)
-            need("dq_codes", self.dq_codes, (n_sc,), torch.int8)
-            need("dq_scales", self.dq_scales, (blocks,), torch.float32)
-            need("dq_offset", self.dq_offset, (), torch.float32)
-        else:
-            need("scales", self.scales, (rows, groups), _SCALE_DTYPES[s.scale_format])
-        if s.zero_point == "float":
-            need("minimums", self.minimums, (rows, groups), _SCALE_DTYPES[s.scale_format])
-        elif not s.symmetric:
-            need("zero_points", self.zero_points, (-(-n_sc * bits // 8),), torch.uint8)
-        if s.granularity == "nvfp4":
-            need("tensor_scale", self.tensor_scale, (), torch.float32)
+    @classmethod
+    def empty(cls, scheme, shape, dtype: torch.dtype = torch.float32, device="meta") -> QuantizedTensor:
+        """A QuantizedTensor of this scheme, shape and dtype whose tensors are uninitialized (on the
+        meta device by default: a skeleton's placeholder, filled by a quantized module's
+        load_state_dict)."""
+        scheme = get_scheme(scheme)
+        tensors = {k: torch.empty(sh, dtype=dt, device=device) for k, (sh, dt) in state_shapes(scheme, shape).items()}
+        return cls(scheme, shape, dtype, **tensors)
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -268,6 +270,42 @@ class QuantizedTensor:
     def __repr__(self) -> str:
         return (f"QuantizedTensor(shape={tuple(self.shape)}, scheme={self.scheme.label!r}, "
                 f"nbytes={self.nbytes}, bits_per_value={self.bits_per_value:.3f})")
+
+
+_CODE_CHUNK = 1 << 20  # element codes unpacked at a time by the range check
+
+
+def codes_outside_format(qt: QuantizedTensor) -> str | None:
+    """Why the element codes do not all name values of the scheme's format, or None. Only a
+    codebook with fewer than 2^bits values, or a format of 9 to 15 bits stored in 16-bit
+    words, leaves bit patterns that are no code; a file that held them would load, then give
+    NaN in some kernels and raise in dequantize()."""
+    fmt = qt.scheme.format
+    bits = fmt.bits
+    limit = fmt.num_values if isinstance(fmt, LookupFormat) else 2 ** bits
+    if bits > 8:
+        limit = min(limit, 2 ** 16)
+        if limit == 2 ** 16:
+            return None
+        for start in range(0, qt.codes.numel(), _CODE_CHUNK):
+            top = int((qt.codes[start:start + _CODE_CHUNK].to(torch.int32) & 0xFFFF).max())
+            if top >= limit:
+                return f"code {top} is outside the format {fmt.name} (codes 0..{limit - 1})"
+        return None
+    if limit >= 2 ** bits:
+        return None
+    rows, _, pcols, _ = qt.scheme.layout(qt.shape)
+    n = rows * pcols
+    per = math.lcm(bits, 8) // bits  # codes per run of whole bytes
+    step = max(per, _CODE_CHUNK // per * per)
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        first = start * bits // 8
+        top = int(unpack(qt.codes[first:first + -(-count * bits // 8)], bits, count, order=_PACK_ORDER).max())
+        if top >= limit:
+            return f"code {top} is outside the codebook {fmt.name} of {limit} values"
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------------
