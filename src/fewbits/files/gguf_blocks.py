@@ -1,5 +1,6 @@
-"""GGUF's legacy block formats as bytes: a QuantizedTensor of the presets q8_0, q4_0, q4_1, q5_0,
-q5_1 written as the blocks of 32 values llama.cpp reads (ggml-common.h), little-endian:
+"""GGUF's block formats as bytes: a QuantizedTensor of the presets q8_0, q4_0, q4_1, q5_0, q5_1
+(blocks of 32 values) and q4_k, q5_k, q6_k (super-blocks of 256) written as the blocks llama.cpp
+reads (ggml-common.h), little-endian:
 
 - Q8_0 (34 bytes): fp16 d, 32 int8 q;                          w = d * q
 - Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;                w = d * (q - 8)
@@ -12,6 +13,23 @@ Q5_*, bit i of qh is bit 4 of element i. The presets quantize as `gguf.quants.qu
 (scale_method "gguf"), so these bytes equal the gguf package's own, and `gguf.quants.dequantize`
 of them equals QuantizedTensor.dequantize() bit for bit; decode_blocks reads such bytes back
 into a QuantizedTensor. Needs no gguf package.
+
+The k-quants (super-blocks of 256; sub-block j = values 32j..32j+31, Q6_K: 16j..16j+15):
+
+- Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sub-scales sc[8] and sub-minimums m[8],
+  128 bytes of nibbles;                                     w = (d * sc) * q - (dmin * m)
+- Q5_K (176 bytes): as Q4_K, with 32 bytes qh before the nibbles (bit i of qh[l]: bit 4 of
+  element 32i + l)
+- Q6_K (210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 sub-scales, fp16 d; w = (d * sc) * (q - 32)
+
+The 12 scale bytes of Q4_K/Q5_K: byte j (j < 4) holds sc[j] and, in its top two bits, bits 4-5 of
+sc[j + 4]; byte j + 4 likewise m[j] and m[j + 4]; byte j + 8 the low nibbles of sc[j + 4] (low)
+and m[j + 4] (high). Nibbles: byte 32c + l holds element 64c + l (low) and 64c + 32 + l (high).
+Q6_K, per half h of 128 values: ql[64h + l] holds elements 128h + l (low) and 128h + 64 + l
+(high), ql[64h + 32 + l] elements 128h + 32 + l and 128h + 96 + l; qh[32h + l] bits 4-5 of
+elements 128h + l, +32, +64, +96 in bit pairs 0, 2, 4, 6. The gguf package only dequantizes
+these types; fewbits chooses the codes (fewbits.quant.scales.super_block_scaling, or GPTQ), and
+gguf.quants.dequantize of the bytes equals QuantizedTensor.dequantize() bit for bit.
 
 Known difference: a block whose scale overflows fp16 (Q8_0: |x| > 65504 * 127) gets an infinite d
 in gguf and the saturated 65504 in fewbits (round_scales saturates).
@@ -35,6 +53,9 @@ GGUF_BLOCK_TYPES = {
     "Q5_0": ("q5_0", 6, 22),
     "Q5_1": ("q5_1", 7, 24),
     "Q8_0": ("q8_0", 8, 34),
+    "Q4_K": ("q4_k", 12, 144),
+    "Q5_K": ("q5_k", 13, 176),
+    "Q6_K": ("q6_k", 14, 210),
 }
 
 
@@ -54,24 +75,36 @@ def gguf_block_type(scheme) -> str:
                      f"{presets}")
 
 
+def block_values(type_name: str) -> int:
+    """Values per block of a GGUF block type: 32 (Q8_0, Q4_0, ...) or 256 (the k-quants)."""
+    scheme = get_scheme(GGUF_BLOCK_TYPES[type_name][0])
+    return scheme.super_block or scheme.group_size
+
+
 def _halves(t: torch.Tensor) -> np.ndarray:
     """fp16 [rows, groups] -> uint8 [rows, groups, 2], little-endian."""
     return np.ascontiguousarray(t.detach().cpu().numpy().astype("<f2")).view(np.uint8).reshape(*t.shape, 2)
 
 
 def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
-    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1: uint8 of
-    shape (*shape[:-1], shape[-1] // 32 * bytes_per_block), as `gguf.quants.quantize` returns them
-    (a GGUFWriter takes this array with raw_dtype = the GGML type). The last dimension must be a
-    multiple of 32: GGUF blocks have no padding."""
+    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / q4_k / q5_k /
+    q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
+    `gguf.quants.quantize` returns them (a GGUFWriter takes this array with raw_dtype = the GGML
+    type). The last dimension must be a multiple of the block (32; 256 for the k-quants): GGUF
+    blocks have no padding."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"encode_blocks() takes a QuantizedTensor, got {type(qt).__name__}")
     name = gguf_block_type(qt.scheme)
     _, _, type_size = GGUF_BLOCK_TYPES[name]
     shape = tuple(qt.shape)
-    if len(shape) == 0 or shape[-1] % BLOCK:
-        raise ValueError(f"GGUF {name} needs rows of a multiple of {BLOCK} values (the last dimension); "
+    block = block_values(name)
+    if len(shape) == 0 or shape[-1] % block:
+        raise ValueError(f"GGUF {name} needs rows of a multiple of {block} values (the last dimension); "
                          f"shape {shape} has rows of {shape[-1] if shape else 0}")
+    if qt.scheme.super_block is not None:
+        blocks = _encode_k(qt, name)
+        assert blocks.shape[-1] == type_size
+        return blocks.reshape(*shape[:-1], shape[-1] // block * type_size)
     rows, cols, _, groups = qt.scheme.layout(shape)
     v = qt.int_codes().cpu().reshape(rows, groups, BLOCK).numpy()
     parts = [_halves(qt.scales)]
@@ -91,6 +124,75 @@ def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
     return blocks.reshape(*shape[:-1], groups * type_size)
 
 
+def _encode_k(qt: QuantizedTensor, name: str) -> np.ndarray:
+    """k-quant super-blocks, uint8 [rows * super-blocks, type_size] (see the module docstring)."""
+    s = qt.scheme
+    rows, supers, per = s.super_layout(qt.shape)
+    n = rows * supers
+    v = qt.int_codes().cpu().numpy().reshape(n, 256)
+    sc = qt.sub_scale_codes().cpu().numpy().reshape(n, per)
+    d = _halves(qt.super_scales).reshape(n, 2)
+    if name == "Q6_K":
+        q = (v + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, quarter, l]
+        lo = q & 0xF
+        ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=-1)  # [n, 2, 64]
+        hi = q >> 4
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [n, 2, 32]
+        return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), d], axis=-1)
+    m = qt.sub_scale_codes(minimums=True).cpu().numpy().reshape(n, per)
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=-1)
+    q = v.astype(np.uint8).reshape(n, 4, 2, 32)  # [chunk of 64, low/high half, l]
+    parts = [d, _halves(qt.super_minimums).reshape(n, 2), scales]
+    if name == "Q5_K":
+        bits = ((q.reshape(n, 8, 32) >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
+        parts.append(np.bitwise_or.reduce(bits, axis=1))
+    parts.append(((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(n, 128))
+    return np.concatenate(parts, axis=-1)
+
+
+def _decode_k(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dtype) -> QuantizedTensor:
+    """A QuantizedTensor of a k-quant preset from its super-blocks b uint8 [rows, supers, size]."""
+    rows, supers, size = b.shape
+    n = rows * supers
+    b = b.reshape(n, size)
+
+    def halves(at):
+        return torch.from_numpy(np.ascontiguousarray(b[:, at:at + 2]).view("<f2")[:, 0].astype(np.float16))
+
+    def packed(codes, fmt):  # integer values -> the codes quantize() packs
+        c = encode(torch.from_numpy(codes.reshape(-1).astype(np.float32)), fmt)
+        return pack(c.to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+
+    sub = scheme.sub_scale_format_of
+    parts = {}
+    if type_name == "Q6_K":
+        ql, qh = b[:, :128].reshape(n, 2, 2, 32), b[:, 128:192].reshape(n, 2, 1, 32)
+        low = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        values = (low | (high << 4)).astype(np.int64).reshape(n, 256) - 32
+        parts["sub_scales"] = packed(b[:, 192:208].view(np.int8), sub)
+        parts["super_scales"] = halves(208).reshape(rows, supers)
+    else:
+        sb = b[:, 4:16]
+        sc = np.concatenate([sb[:, :4] & 63, (sb[:, 8:] & 0xF) | ((sb[:, :4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([sb[:, 4:8] & 63, (sb[:, 8:] >> 4) | ((sb[:, 4:8] >> 6) << 4)], axis=-1)
+        at = 16
+        high = 0
+        if type_name == "Q5_K":
+            qh = b[:, 16:48]
+            high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(n, 4, 2, 32) << 4
+            at = 48
+        qs = b[:, at:at + 128].reshape(n, 4, 1, 32)
+        low = np.concatenate([qs & 0xF, qs >> 4], axis=2)
+        values = (low | high).astype(np.int64).reshape(n, 256)
+        parts.update(sub_scales=packed(sc, sub), super_scales=halves(0).reshape(rows, supers),
+                     sub_minimums=packed(m, sub), super_minimums=halves(2).reshape(rows, supers))
+    codes = packed(values, scheme.format)
+    return QuantizedTensor(scheme, shape, dtype, codes, **parts)
+
+
 def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
     """A QuantizedTensor of the matching preset from GGUF block bytes of type `type_name` ("Q4_0",
     ...) holding a tensor of `shape` (numpy shape order: the last dimension is the row). The
@@ -101,14 +203,18 @@ def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.floa
     preset, _, type_size = GGUF_BLOCK_TYPES[type_name]
     scheme = get_scheme(preset)
     shape = tuple(int(s) for s in shape)
-    if len(shape) == 0 or shape[-1] % BLOCK or any(s < 0 for s in shape):
-        raise ValueError(f"GGUF {type_name} holds rows of a multiple of {BLOCK} values; shape {shape} has not")
+    block = block_values(type_name)
+    if len(shape) == 0 or shape[-1] % block or any(s < 0 for s in shape):
+        raise ValueError(f"GGUF {type_name} holds rows of a multiple of {block} values; shape {shape} has not")
     raw = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1)
-    rows, _, _, groups = scheme.layout(shape)
-    if raw.size != rows * groups * type_size:
-        raise ValueError(f"GGUF {type_name} data for shape {shape} must be {rows * groups * type_size} bytes "
-                         f"({rows * groups} blocks of {type_size}), got {raw.size}")
-    b = raw.reshape(rows, groups, type_size)
+    rows, cols, _, groups = scheme.layout(shape)
+    count = rows * (cols // block)
+    if raw.size != count * type_size:
+        raise ValueError(f"GGUF {type_name} data for shape {shape} must be {count * type_size} bytes "
+                         f"({count} blocks of {type_size}), got {raw.size}")
+    b = raw.reshape(rows, cols // block, type_size)
+    if scheme.super_block is not None:
+        return _decode_k(b, scheme, type_name, shape, dtype)
 
     def halves(at):
         return torch.from_numpy(np.ascontiguousarray(b[..., at:at + 2]).view("<f2")[..., 0].astype(np.float16))

@@ -338,7 +338,8 @@ _SCHEME_FIELDS = {
     "symmetric": _is_bool, "scale_format": _is_str, "scale_method": _is_str, "percentile": _is_number,
     "mx_scale_mode": _is_str, "mode": _is_str, "seed": _is_int(-(2 ** 63), 2 ** 64 - 1),
     "double_quant": _is_bool, "activations": None,  # None or a scheme without activations of its own
-    "zero_point": _is_str, "name": _optional(_is_str),
+    "zero_point": _is_str, "super_block": _optional(_is_int(1, 2 ** 62)), "sub_scale_format": _optional(_is_str),
+    "name": _optional(_is_str),
 }
 
 

@@ -18,9 +18,12 @@ point) is chosen by the scheme's own rule (absmax / percentile / mse, symmetric 
 the scale format) from the error-updated weights when the algorithm reaches the group's first
 column ("dynamic" groups), or from the original weights before it starts ("static" groups:
 needed with act_order, which visits columns out of order, and with double quantization, whose
-scales are quantized all together). Per-channel and per-tensor scales come from the original
-weights. Because the scale layout stays the scheme's plain layout, the result is an ordinary
-QuantizedTensor whose dequantize() equals GPTQ's quantized weights bit for bit (checked).
+scales are quantized all together). Super-block schemes (GGUF's k-quants) choose a whole
+super-block's scaling at once (its groups' scales are codes under the super-block's scale): at
+the super-block's first column from the updated weights, or statically from the original ones.
+Per-channel and per-tensor scales come from the original weights. Because the scale layout stays
+the scheme's plain layout, the result is an ordinary QuantizedTensor whose dequantize() equals
+GPTQ's quantized weights bit for bit (checked).
 
 Differences from the reference implementation, and why:
 - dead input columns (H[j, j] == 0, the input is always zero there) keep their weights and are
@@ -47,7 +50,7 @@ from ..progress import counter
 from .lowbit_ops import one_thread
 from .plan import calibration_batches, call_model
 from .scheme import QuantScheme, get_scheme
-from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, rounding_generator, to_groups
+from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, quantize_scaled, rounding_generator, to_groups
 
 __all__ = ["GPTQResult", "gptq_solve", "gptq_quantize_weight", "hessian_error", "collect_hessians",
            "gptq_quantize_model"]
@@ -65,8 +68,10 @@ class _Grid:
     rounding, as quantize() does), `scale[g]` (multiplies the rounded values: what dequantize()
     uses), `zero[g]` (float zero points, asymmetric), `minimum[g]` (float minimums,
     zero_point="float": w ~= q * scale + minimum) and `raw[g]` (the stored E8M0/E4M3 scale
-    codes of MX/NVFP4). Everything is float32 [rows] so the arithmetic matches quantize() and
-    QuantizedTensor.dequantize() exactly.
+    codes of MX/NVFP4); super-block schemes also `sub[g]` / `sub_min[g]` (the sub-scale codes,
+    int64 [rows]) and, per super-block b, `sup[b]` / `sup_min[b]` (its scales d, dmin). Everything
+    is float32 [rows] so the arithmetic matches quantize() and QuantizedTensor.dequantize()
+    exactly. `span`: the columns one scale choice covers (a group, or a super-block).
     """
 
     def __init__(self, scheme: QuantScheme, W: torch.Tensor, static: bool, generator):
@@ -82,6 +87,12 @@ class _Grid:
         self.grouped = gran in ("group", "mx", "nvfp4")
         self.group_size = scheme.group_size if self.grouped else max(cols, 1)
         self.n_groups = -(-cols // self.group_size) if self.grouped else 1
+        self.span = scheme.super_block if scheme.super_block is not None else self.group_size
+        n_spans = -(-cols // self.span) if self.grouped else 1
+        self.sub: list = [None] * self.n_groups
+        self.sub_min: list = [None] * self.n_groups
+        self.sup: list = [None] * n_spans
+        self.sup_min: list = [None] * n_spans
         # static: every scale fixed from the original weights before rounding starts
         self.static = static or not self.grouped or scheme.double_quant
         self.nearest = scheme.with_(mode="nearest_even", name=scheme.name)
@@ -118,12 +129,26 @@ class _Grid:
             scaling.multiplier = sc.reciprocal(scaling.scale)
         for g in range(self.n_groups):
             self._take(g, scaling, g)
+        for b in range(len(self.sup) if scaling.super_scale is not None else 0):
+            self._take_super(b, scaling, b)
 
-    def set_dynamic(self, g: int, columns: torch.Tensor) -> None:
-        """Choose group g's scale from the current (error-updated) weights of its columns: the
-        scheme's own rule on their group view [rows, 1, group_size] (padded if the last group is
-        short); NVFP4's tensor scale stays the whole original tensor's."""
-        self._take(g, sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale), 0)
+    def set_dynamic(self, b: int, columns: torch.Tensor) -> None:
+        """Choose the scales of span b (group b, or super-block b with its groups) from the current
+        (error-updated) weights of its columns: the scheme's own rule on their group view
+        [rows, groups, group_size] (padded if the last group is short); NVFP4's tensor scale stays
+        the whole original tensor's."""
+        scaling = sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale)
+        first = b * (self.span // self.group_size)
+        for j in range(scaling.scale.shape[1]):
+            self._take(first + j, scaling, j)
+        if scaling.super_scale is not None:
+            self._take_super(b, scaling, 0)
+
+    def _take_super(self, b: int, scaling: sc.Scaling, j: int) -> None:
+        """Super-block b's scales d (and dmin): column j of `scaling`'s super-block scales."""
+        self.sup[b] = scaling.super_scale[:, j].contiguous()
+        if scaling.super_minimum is not None:
+            self.sup_min[b] = scaling.super_minimum[:, j].contiguous()
 
     def _take(self, g: int, scaling: sc.Scaling, j: int) -> None:
         """Group g's scale, multiplier, zero point, minimum and codes: column j of `scaling`
@@ -137,6 +162,10 @@ class _Grid:
             self.minimum[g] = scaling.minimum.expand(shape)[:, j].contiguous()
         if scaling.codes is not None:
             self.raw[g] = scaling.codes[:, j]
+        if scaling.sub_codes is not None:
+            self.sub[g] = scaling.sub_codes[:, j]
+            if scaling.sub_min_codes is not None:
+                self.sub_min[g] = scaling.sub_min_codes[:, j]
 
     # --- rounding ------------------------------------------------------------------------------
     def group_of(self, col: int) -> int:
@@ -172,6 +201,15 @@ class _Grid:
             qt = quantize(Q, self.nearest)
             return QuantizedTensor(s, shape, dtype, **qt.state_dict())
         values = torch.stack(self.scale, dim=1)  # [rows, groups]
+        if s.super_block is not None:  # the codes from Q under the scaling assembled span by span
+            stacked = {}
+            if self.minimum[0] is not None:
+                stacked = dict(minimum=torch.stack(self.minimum, dim=1), sub_min_codes=torch.stack(self.sub_min, dim=1),
+                               super_minimum=torch.stack(self.sup_min, dim=1))
+            scaling = sc.Scaling(values, torch.stack(self.inv, dim=1), sub_codes=torch.stack(self.sub, dim=1),
+                                 super_scale=torch.stack(self.sup, dim=1), **stacked)
+            qt = quantize_scaled(Q, s, scaling)
+            return QuantizedTensor(s, shape, dtype, **qt.state_dict())
         zeros = (torch.stack(self.zero, dim=1).to(torch.int64) if self.zero[0] is not None else None)
         if self.minimum[0] is not None:  # float minimums travel as quantize()'s zero_points
             zeros = torch.stack(self.minimum, dim=1)
@@ -305,8 +343,8 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
     U = U64.to(torch.float32)
 
     block = block_size
-    if grouped and not grid.static:  # a dynamic group must lie inside one block
-        gs = grid.group_size
+    if grouped and not grid.static:  # a dynamic group (or super-block) must lie inside one block
+        gs = grid.span
         block = max(gs, block_size // gs * gs)
     # the loop runs on the transpose [cols, rows], so that a column and the rank-1 updates of
     # the columns after it are contiguous memory
@@ -323,8 +361,8 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
         with one_thread():
             for i in range(i2 - i1):
                 col = order[i1 + i] if order is not None else i1 + i
-                if not grid.static and col % grid.group_size == 0:
-                    grid.set_dynamic(col // grid.group_size, W1[i:i + grid.group_size].T)
+                if not grid.static and col % grid.span == 0:
+                    grid.set_dynamic(col // grid.span, W1[i:i + grid.span].T)
                 w = W1[i]
                 q = grid.quantize_column(w, col)
                 Qt[i1 + i] = q

@@ -1,5 +1,6 @@
 """Scale choice: absmax, percentile and MSE-optimal scales, MX E8M0 exponents, NVFP4 two-level
-scales, integer zero points and float minimums, and QLoRA double quantization of the scales.
+scales, integer zero points and float minimums, GGUF k-quant super-block scales, and QLoRA double
+quantization of the scales.
 
 choose() is the one place that dispatches on the scheme's scale rule: quantize(), fake_quantize()
 and GPTQ all take their scales from it (a Scaling), and scale the elements with Scaling.scaled().
@@ -119,6 +120,12 @@ class Scaling:
     gguf_minimum: float32 [rows, groups], the unrounded group minimum the "q4_1" elements are
         measured from (minimum holds it rounded to the scale format), else None.
     gguf_levels: 2^bits of the element format (GGUF recipes: the unsigned grid is 0..levels-1).
+    sub_codes: int64 [rows, groups], the group scales' integer codes in the scheme's
+        sub_scale_format (super-block schemes: scale = super_scale * sub_code), else None.
+    super_scale: float32 [rows, super-blocks], the super-block scales d rounded to the scale
+        format (super-block schemes), else None.
+    sub_min_codes, super_minimum: the same for the float minimums (minimum = -(super_minimum *
+        sub_min_code)), else None.
     """
 
     scale: torch.Tensor
@@ -130,6 +137,10 @@ class Scaling:
     gguf: str | None = None
     gguf_minimum: torch.Tensor | None = None
     gguf_levels: int = 0
+    sub_codes: torch.Tensor | None = None
+    super_scale: torch.Tensor | None = None
+    sub_min_codes: torch.Tensor | None = None
+    super_minimum: torch.Tensor | None = None
 
     def scaled(self, g: torch.Tensor) -> torch.Tensor:
         """The elements to round: (g - minimum) * multiplier (+ zero_point), as quantize() computes
@@ -167,6 +178,8 @@ def choose(g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale: torch.Tens
         return Scaling(nvfp4_scale_values(codes, ts), (1.0 / ts) / block, codes=codes, tensor_scale=ts)
     if scheme.scale_method == "gguf":
         return gguf_scaling(g, valid, scheme)
+    if scheme.super_block is not None:
+        return super_block_scaling(g, valid, scheme)
     if scheme.zero_point == "float":
         scale, minimum = float_min_params(g, valid, scheme)
         return Scaling(scale, reciprocal(scale), minimum=minimum)
@@ -302,6 +315,180 @@ def gguf_elements(g: torch.Tensor, s: Scaling) -> torch.Tensor:
     offset = float(s.gguf_levels // 2)
     y = _times(g, s.multiplier)
     return (torch.trunc(y + (offset + 0.5)).clamp_(0.0, top) - offset).add_(0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# two-level scales in super-blocks: GGUF's k-quants (Q4_K, Q5_K, Q6_K)
+# ---------------------------------------------------------------------------------------------
+# the candidate scales of the searches, as llama.cpp's reference k-quant quantizers try them:
+# float minimums (make_qkx2_quants): iscale = (nmax + rmin + rdelta * i) / (max - min), i = 0..nstep,
+# (rmin, rdelta, nstep) by element width (Q4_K, Q5_K); symmetric (make_qx_quants):
+# iscale = -(nmax + 0.1 * i) / max, i = -9..9
+_FLOAT_MIN_SEARCH = {4: (-1.0, 0.1, 20), 5: (-0.5, 0.1, 15)}
+_FLOAT_MIN_SEARCH_OTHER = (-1.0, 0.1, 20)
+_SYMMETRIC_STEPS = (0,) + tuple(i for i in range(-9, 10) if i)
+_SEARCH_VALUES = 1 << 20  # values searched at a time (the search works in float64)
+
+
+def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
+    """The Scaling of a super-block scheme (see QuantScheme): each group's scale (and float
+    minimum) by scale_method ("absmax": the group's plain range; "mse": the weighted least-squares
+    search of group_params), then per super-block the scale d = the largest group scale / the
+    largest sub-scale code (symmetric: the group scale of largest magnitude / the lowest code,
+    so that it gets code -128 as in Q6_K), rounded to the scale format (fp16), each group's code
+    round(scale / d) clamped to the sub-scale format, and the effective scale d * code (float32,
+    exact). The minimums likewise (codes of -minimum, unsigned). scaled() then rounds the elements
+    under these final scales and minimums, as quantize() rounds every float-minimum or symmetric
+    scheme: round((x - minimum) * (1 / scale)).
+
+    Deliberate differences from llama.cpp's quantize_row_q4_K_ref / q6_K_ref: the codes are
+    rounded against the fp16-rounded d (llama.cpp rounds them against the unrounded one), the
+    elements are multiplied by 1 / scale rather than divided and rounded half to even (as every
+    fewbits scheme), and a group whose scale code is 0 keeps codes that dequantize to its minimum
+    (llama.cpp leaves the search's codes there: they dequantize to the same value)."""
+    sub = scheme.sub_scale_format_of
+    rows, groups, _ = g.shape
+    scale, neg_min = group_params(g, valid, scheme)
+    d, codes = _super_scales(scale, scheme, sub)
+    eff = expand_super(d, scheme, groups) * codes.to(torch.float32)
+    if scheme.zero_point != "float":
+        return Scaling(eff, reciprocal(eff), sub_codes=codes, super_scale=d)
+    dmin, mcodes = _super_scales(neg_min, scheme, sub)
+    minimum = -(expand_super(dmin, scheme, groups) * mcodes.to(torch.float32))
+    return Scaling(eff, reciprocal(eff), minimum=minimum, sub_codes=codes, super_scale=d,
+                   sub_min_codes=mcodes, super_minimum=dmin)
+
+
+def expand_super(d: torch.Tensor, scheme: QuantScheme, groups: int) -> torch.Tensor:
+    """[rows, super-blocks] -> [rows, groups]: each super-block's value for its groups."""
+    per = scheme.super_block // scheme.group_size
+    return d.repeat_interleave(per, dim=1)[:, :groups]
+
+
+def _super_scales(values: torch.Tensor, scheme: QuantScheme, sub) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d float32 [rows, supers] rounded to the scale format, codes int64 [rows, groups]) with
+    values ~= d * code per super-block. Unsigned codes: d = max / sub.max; signed: d = the value
+    of largest magnitude (the first such) / sub.lowest. values: float64 [rows, groups]."""
+    rows, groups = values.shape
+    per = scheme.super_block // scheme.group_size
+    supers = -(-groups // per)
+    v = torch.nn.functional.pad(values, (0, supers * per - groups)).reshape(rows, supers, per)
+    if sub.signed:
+        top = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1) / float(sub.lowest)
+    else:
+        top = v.amax(-1).clamp(min=0.0) / float(sub.max)
+    d = round_scales(top.to(torch.float32), scheme.scale_format)
+    d_exp = expand_super(d, scheme, groups).to(torch.float64)
+    safe = torch.where(d_exp == 0, torch.ones_like(d_exp), d_exp)
+    codes = torch.round(values / safe).clamp(sub.lowest, sub.max)
+    codes = torch.where(d_exp == 0, torch.zeros_like(codes), codes)
+    return d, codes.to(torch.int64)
+
+
+def group_params(g: torch.Tensor, valid, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each group's (scale, -minimum) of a super-block scheme before the two-level rounding,
+    float64 [rows, groups] (symmetric: (signed scale, None)); in row chunks of bounded size.
+
+    Float minimums, unsigned grid 0..nmax (make_qkx2_quants' rule): min = min(group min, 0);
+    "absmax": scale = (max - min) / nmax; "mse": weights w = sqrt(mean x^2) + |x|, and for each
+    candidate iscale the codes L = clamp(round(iscale * (x - min)), 0, nmax) and the weighted
+    least-squares (scale, min) of x ~ scale * L + min (min held at 0 when the fit is positive);
+    the pair of least weighted squared error wins (the plain range is the first candidate).
+    Symmetric, grid lowest..max (make_qx_quants' rule, weights x^2): "absmax": amax / max;
+    "mse": for each candidate iscale = -(nmax + 0.1 i) / (the value of largest magnitude), with
+    nmax = -lowest, codes L = clamp(round(iscale * x), lowest, max) and scale = sum(w x L) /
+    sum(w L^2); the largest sum(w x L)^2 / sum(w L^2) (least weighted error) wins.
+    Padding entries have weight 0 and are left out of the minimum and maximum."""
+    rows, groups, n = g.shape
+    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
+    scales, mins = [], []
+    for r0 in range(0, rows, step):
+        x = g[r0:r0 + step].to(torch.float64)
+        if scheme.zero_point == "float":
+            s, m = _float_min_params(x, valid, scheme)
+            mins.append(m)
+        else:
+            s = _symmetric_params(x, valid, scheme)
+        scales.append(s)
+    if not scales:
+        empty = g.new_zeros((rows, groups), dtype=torch.float64)
+        return empty, (empty.clone() if scheme.zero_point == "float" else None)
+    return torch.cat(scales), (torch.cat(mins) if mins else None)
+
+
+def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
+    nmax = float(2 ** scheme.format.bits - 1)
+    inf = torch.tensor(float("inf"), dtype=x.dtype)
+    lo = (torch.where(valid, x, inf) if valid is not None else x).amin(-1).clamp(max=0.0)
+    hi = (torch.where(valid, x, -inf) if valid is not None else x).amax(-1)
+    span = hi - lo
+    flat = span <= 0  # constant (or all-zero) groups: scale 0, the minimum holds the value
+    safe_span = torch.where(flat, torch.ones_like(span), span)
+    scale = torch.where(flat, torch.zeros_like(span), span / nmax)
+    minimum = lo
+    if scheme.scale_method == "mse":
+        w = x.abs() + torch.sqrt((x * x).mean(-1) if valid is None else
+                                 (x * x).sum(-1) / valid.sum(-1).clamp(min=1)).unsqueeze(-1)
+        if valid is not None:
+            w = torch.where(valid, w, torch.zeros_like(w))
+        sw, sx, sx2 = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
+        xs = x - lo.unsqueeze(-1)
+
+        def weighted_error(s, m, sl, sl2, sxl):  # sum w (s L + m - x)^2, from the sums
+            return (s * s * sl2 + 2 * s * m * sl - 2 * s * sxl + m * m * sw - 2 * m * sx + sx2)
+
+        def sums(iscale):
+            L = torch.round(xs * iscale.unsqueeze(-1)).clamp_(0.0, nmax)
+            wl = w * L
+            return wl.sum(-1), (wl * L).sum(-1), (wl * x).sum(-1)
+
+        best = weighted_error(scale, minimum, *sums(1.0 / torch.where(flat, torch.ones_like(scale), scale)))
+        rmin, rdelta, nstep = _FLOAT_MIN_SEARCH.get(scheme.format.bits, _FLOAT_MIN_SEARCH_OTHER)
+        for i in range(nstep + 1):
+            sl, sl2, sxl = sums((rmin + rdelta * i + nmax) / safe_span)
+            D = sw * sl2 - sl * sl
+            ok = (D > 0) & ~flat
+            safe_D = torch.where(ok, D, torch.ones_like(D))
+            s = (sw * sxl - sx * sl) / safe_D
+            m = (sl2 * sx - sl * sxl) / safe_D
+            positive = m > 0
+            s = torch.where(positive, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), s)
+            m = torch.where(positive, torch.zeros_like(m), m)
+            err = weighted_error(s, m, sl, sl2, sxl)
+            better = ok & (s > 0) & (err < best)
+            best = torch.where(better, err, best)
+            scale = torch.where(better, s, scale)
+            minimum = torch.where(better, m, minimum)
+    return scale, -minimum
+
+
+def _symmetric_params(x: torch.Tensor, valid, scheme: QuantScheme):
+    fmt = scheme.format
+    if scheme.scale_method != "mse":
+        return x.abs().amax(-1) / float(fmt.max)
+    lowest, top = float(fmt.lowest), float(fmt.max)
+    nmax = -lowest
+    peak = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the value of largest magnitude
+    zero = peak == 0
+    safe_peak = torch.where(zero, torch.ones_like(peak), peak)
+    w = x * x  # padding is 0: weight 0
+    scale = best = None
+    for i in _SYMMETRIC_STEPS:
+        iscale = -(nmax + 0.1 * i) / safe_peak
+        L = torch.round(x * iscale.unsqueeze(-1)).clamp_(lowest, top)
+        wl = w * L
+        sumlx, suml2 = (wl * x).sum(-1), (wl * L).sum(-1)
+        ok = suml2 > 0
+        safe_l2 = torch.where(ok, suml2, torch.ones_like(suml2))
+        s = sumlx / safe_l2
+        merit = sumlx * s  # sum(w x L)^2 / sum(w L^2): the larger, the smaller the weighted error
+        if scale is None:
+            scale, best = torch.where(ok, s, torch.zeros_like(s)), torch.where(ok, merit, torch.zeros_like(s))
+            continue
+        better = ok & (merit > best)
+        best = torch.where(better, merit, best)
+        scale = torch.where(better, s, scale)
+    return torch.where(zero, torch.zeros_like(scale), scale)
 
 
 def _mse_search(g, valid, scheme, candidate, quantize_dequantize):

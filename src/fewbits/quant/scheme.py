@@ -13,6 +13,16 @@ Layout rule (shared by every granularity). A tensor is viewed as a matrix [rows,
   the group size; one scale per group per row.
 Scales therefore always have shape [rows, groups]. Codes are stored row-major over the padded
 matrix and packed into bytes.
+
+Two-level scales (super_block, GGUF's k-quants): the groups of a row are gathered into
+super-blocks of `super_block` values (the last one of a row may be short). Each group's scale is
+an integer code in `sub_scale_format` times its super-block's scale d, stored in `scale_format`;
+with float minimums the same again (codes m, super-block scale dmin, minimum = -(dmin * m)):
+    Q4_K / Q5_K: uint4 / uint5 groups of 32, super-blocks of 256, uint6 codes, fp16 d and dmin:
+                 w = (d * sc) * q - (dmin * m)
+    Q6_K:        int6 groups of 16, super-blocks of 256, int8 codes, fp16 d:  w = (d * sc) * q
+The effective group scales and minimums (QuantizedTensor.scale_values() / minimum_values()) are
+float32 [rows, groups] like every other scheme's, so dequantization is unchanged.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ SCALE_METHODS = ("absmax", "percentile", "mse", "gguf")
 ZERO_POINTS = ("int", "float")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 DOUBLE_QUANT_BLOCK = 256  # QLoRA: the group scales are quantized to int8 in blocks of 256
+SUPER_SCALE_METHODS = ("absmax", "mse")  # scale_methods of two-level (super-block) schemes
 
 _SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8, "none": 0}
 _SCALE_FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "e8m0": "e8m0", "e4m3": "fp8_e4m3"}
@@ -79,7 +90,21 @@ class QuantScheme:
         range always containing 0: x ~= (q - zp) * scale. "float": a float minimum per group
         stored in the scale format (GGUF Q4_1 style): min = the group minimum (not widened to
         include 0), scale = (max - min) / (2^b - 1), q = round((x - min) * (1 / scale)),
-        x ~= q * scale + min. Float minimums take scale_method "absmax" only.
+        x ~= q * scale + min. Float minimums take scale_method "absmax" only (and "mse" with
+        super-blocks).
+    super_block: values per super-block (GGUF k-quants: 256; a multiple of group_size), or None.
+        The group scales (and float minimums) of a super-block are stored as integer codes in
+        `sub_scale_format` times one super-block scale in `scale_format` (see the module
+        docstring). Integer element formats in groups only, symmetric (signed sub-scales) or with
+        zero_point="float" (unsigned sub-scales); mode nearest_even; no double quantization.
+        scale_method "absmax": each group's plain range (symmetric: amax / max; float minimum:
+        min(min, 0) .. max), then d = the super-block's largest scale / the largest sub-scale
+        code, codes rounded, elements rounded again under the final d * code (fewbits.quant.scales);
+        "mse": each group's (scale, minimum) by a weighted least-squares search over candidate
+        scales, as llama.cpp's k-quant reference quantizer does (make_qkx2_quants /
+        make_qx_quants), then the same two-level rounding.
+    sub_scale_format: the integer format of the group scale codes with super_block ("uint6",
+        "int8"), else None.
     """
 
     format: Format | str
@@ -96,6 +121,8 @@ class QuantScheme:
     double_quant: bool = False
     activations: QuantScheme | None = None
     zero_point: str = "int"
+    super_block: int | None = None
+    sub_scale_format: str | None = None
     name: str | None = None
 
     def __post_init__(self):
@@ -165,7 +192,7 @@ class QuantScheme:
             if self.scale_format not in ("fp32", "fp16", "bf16"):
                 raise ValueError("zero_point='float' stores the minimums in the scale format: use fp32, fp16 "
                                  f"or bf16 scales, got {self.scale_format!r}")
-            if self.scale_method not in ("absmax", "gguf"):
+            if self.scale_method not in ("absmax", "gguf") and self.super_block is None:
                 raise ValueError("zero_point='float' takes the group minimum and maximum as they are: "
                                  f"scale_method must be 'absmax' or 'gguf', got {self.scale_method!r}")
         if isinstance(fmt, IntFormat) and self.symmetric and not fmt.signed:
@@ -176,6 +203,59 @@ class QuantScheme:
             raise ValueError("double quantization applies to float scales (fp32/fp16/bf16)")
         if self.activations is not None and not isinstance(self.activations, QuantScheme):
             raise TypeError("activations must be a QuantScheme or None")
+        if self.super_block is not None or self.sub_scale_format is not None:
+            self._check_super_blocks(fmt)
+
+    def _check_super_blocks(self, fmt: Format) -> None:
+        """The rules of two-level (super-block) scales; see the class docstring."""
+        sb, sub = self.super_block, self.sub_scale_format
+        if sb is None or sub is None:
+            raise ValueError("two-level scales need both super_block (values per super-block, e.g. 256) and "
+                             f"sub_scale_format (e.g. 'uint6', 'int8'); got super_block={sb!r}, "
+                             f"sub_scale_format={sub!r}")
+        if self.granularity != "group":
+            raise ValueError(f"super_block applies to granularity='group', not {self.granularity!r}")
+        if not isinstance(sb, int) or isinstance(sb, bool) or sb < 1 or sb % self.group_size:
+            raise ValueError(f"super_block must be a positive multiple of group_size {self.group_size}, got {sb!r}")
+        if not isinstance(sub, str):
+            raise ValueError(f"sub_scale_format must be the name of an integer format, got {sub!r}")
+        sub_fmt = get_format(sub)
+        if not isinstance(sub_fmt, IntFormat) or sub_fmt.bits > 8:
+            raise ValueError(f"sub_scale_format must be an integer format of at most 8 bits (uint6, int8, ...), "
+                             f"got {sub_fmt.name}")
+        object.__setattr__(self, "sub_scale_format", sub_fmt.name)
+        if not isinstance(fmt, IntFormat):
+            raise ValueError(f"super-blocks take an integer element format (int6, uint4, ...), got {fmt.name}")
+        if self.symmetric and not sub_fmt.signed:
+            raise ValueError("symmetric super-block scales take a signed sub_scale_format (Q6_K: int8), "
+                             f"got {sub_fmt.name}")
+        if not self.symmetric and (self.zero_point != "float" or sub_fmt.signed):
+            raise ValueError("asymmetric super-blocks take zero_point='float' (minimum = -(dmin * m)) and an "
+                             f"unsigned sub_scale_format (Q4_K: uint6); got zero_point={self.zero_point!r}, "
+                             f"sub_scale_format={sub_fmt.name}")
+        if self.scale_format not in ("fp32", "fp16", "bf16"):
+            raise ValueError("the super-block scales are floats: use fp32, fp16 or bf16 scales, got "
+                             f"{self.scale_format!r}")
+        if self.scale_method not in SUPER_SCALE_METHODS:
+            raise ValueError(f"super-block scales take scale_method {' or '.join(map(repr, SUPER_SCALE_METHODS))}, "
+                             f"got {self.scale_method!r}")
+        if self.double_quant or self.mode != "nearest_even":
+            raise ValueError("super-block scales round the elements to nearest even and are not double-"
+                             f"quantized: got mode={self.mode!r}, double_quant={self.double_quant}")
+
+    @property
+    def sub_scale_format_of(self) -> IntFormat | None:
+        """The IntFormat of the sub-scale codes (super-block schemes), else None."""
+        return get_format(self.sub_scale_format) if self.sub_scale_format is not None else None
+
+    def super_layout(self, shape) -> tuple[int, int, int]:
+        """(rows, super-blocks per row, groups per super-block) of a super-block scheme; the last
+        super-block of a row holds the remaining groups."""
+        if self.super_block is None:
+            raise ValueError(f"{self.label} has no super-blocks")
+        rows, _, _, groups = self.layout(shape)
+        per = self.super_block // self.group_size
+        return rows, -(-groups // per), per
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -198,6 +278,8 @@ class QuantScheme:
             parts.append("per-tensor")
         if not self.symmetric:
             parts.append("asym float-min" if self.zero_point == "float" else "asym")
+        if self.super_block is not None:
+            parts.append(f"super-blocks of {self.super_block} ({self.sub_scale_format} sub-scales)")
         if self.scale_format != "none":
             parts.append(f"{self.scale_format} scales")
         if self.scale_method != "absmax":
@@ -247,6 +329,11 @@ class QuantScheme:
         if self.scale_format == "none":
             return total
         n_scales = rows * groups
+        if self.super_block is not None:
+            _, supers, _ = self.super_layout(shape)
+            kinds = 2 if self.zero_point == "float" else 1  # scales, and minimums
+            sub_bits = self.sub_scale_format_of.bits
+            return total + kinds * (-(-n_scales * sub_bits // 8) + rows * supers * _SCALE_BITS[self.scale_format] // 8)
         if self.double_quant:
             blocks = -(-n_scales // DOUBLE_QUANT_BLOCK)
             total += n_scales + 4 * blocks + 4  # int8 codes, fp32 block scales, fp32 offset
@@ -275,6 +362,9 @@ class QuantScheme:
         if self.granularity in ("tensor", "channel") or self.scale_format == "none":
             return b
         gs = self.group_size
+        if self.super_block is not None:
+            kinds = 2 if self.zero_point == "float" else 1
+            return b + kinds * (self.sub_scale_format_of.bits / gs + _SCALE_BITS[self.scale_format] / self.super_block)
         if self.double_quant:
             b += (8 + 32 / DOUBLE_QUANT_BLOCK) / gs
         else:
@@ -369,6 +459,16 @@ def _presets() -> dict[str, QuantScheme]:
         S("int5", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="q5_0"),
         S("uint5", "group", group_size=32, symmetric=False, scale_format="fp16", zero_point="float",
           scale_method="gguf", name="q5_1"),
+        # GGUF's k-quants: super-blocks of 256 values with 6-bit (Q4_K, Q5_K: scales and minimums of
+        # groups of 32) or 8-bit (Q6_K: scales of groups of 16) sub-scales under fp16 super-block
+        # scales; fewbits chooses the codes (a weighted least-squares scale search, or GPTQ) and
+        # fewbits.files.gguf_blocks writes the blocks
+        S("uint4", "group", group_size=32, symmetric=False, zero_point="float", scale_format="fp16",
+          scale_method="mse", super_block=256, sub_scale_format="uint6", name="q4_k"),
+        S("uint5", "group", group_size=32, symmetric=False, zero_point="float", scale_format="fp16",
+          scale_method="mse", super_block=256, sub_scale_format="uint6", name="q5_k"),
+        S("int6", "group", group_size=16, scale_format="fp16", scale_method="mse", super_block=256,
+          sub_scale_format="int8", name="q6_k"),
         S("int4", "channel", name="int4_channel"),
         S("int3", "group", group_size=64, name="int3"),
         S("int2", "group", group_size=64, name="int2"),

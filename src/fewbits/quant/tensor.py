@@ -7,6 +7,8 @@ Dequantization rule (what a QuantizedTensor means):
                computed in float32 as two roundings (product, then sum), as gguf-py does
 - MX:          x ~= decode(code) * 2^(e8m0 code - 127)
 - NVFP4:       x ~= decode(code) * (decode_e4m3(block code) * tensor_scale)
+- super-blocks (GGUF k-quants): scale = super_scale * sub-scale code and minimum =
+               -(super_minimum * sub-minimum code), each a float32 product, then as above
 - plain cast (scale_format "none"): x ~= decode(code)
 Elements are computed as round(x * (1 / scale)) in float32 (see fewbits.quant.scales).
 """
@@ -24,7 +26,8 @@ from .scheme import QuantScheme, get_scheme
 # scales as stored: the float formats in their own torch dtype, E8M0 / E4M3 as their uint8 codes
 _SCALE_DTYPES = {**{f: torch_dtype(f) for f in ("fp32", "fp16", "bf16")}, "e8m0": torch.uint8, "e4m3": torch.uint8}
 _PACK_ORDER = "low_first"
-STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset", "minimums")
+STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset", "minimums",
+              "sub_scales", "super_scales", "sub_minimums", "super_minimums")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +98,15 @@ def state_shapes(scheme: QuantScheme, shape) -> dict[str, tuple[tuple[int, ...],
     if s.scale_format == "none":
         return out
     n_sc = rows * groups
+    if s.super_block is not None:  # two-level: packed sub-scale codes, super-block scales
+        _, supers, _ = s.super_layout(shape)
+        sub_bytes = ((-(-n_sc * s.sub_scale_format_of.bits // 8),), torch.uint8)
+        out["sub_scales"] = sub_bytes
+        out["super_scales"] = ((rows, supers), _SCALE_DTYPES[s.scale_format])
+        if s.zero_point == "float":
+            out["sub_minimums"] = sub_bytes
+            out["super_minimums"] = ((rows, supers), _SCALE_DTYPES[s.scale_format])
+        return out
     if s.double_quant:
         out["dq_codes"] = ((n_sc,), torch.int8)
         out["dq_scales"] = ((-(-n_sc // sc.DOUBLE_QUANT_BLOCK),), torch.float32)
@@ -122,11 +134,17 @@ class QuantizedTensor:
     minimums: [rows, groups] float minimums in the scale format's dtype (zero_point="float").
     tensor_scale: float32 scalar (NVFP4).
     dq_codes, dq_scales, dq_offset: the double-quantized scales (scales is None then).
+    sub_scales, super_scales (super-block schemes, GGUF k-quants; scales is None then): the group
+        scales' codes in the sub-scale format, packed (low-first) over [rows, groups], and the
+        super-block scales [rows, super-blocks] in the scale format's dtype.
+    sub_minimums, super_minimums: the same for the float minimums (zero_point="float"; minimums
+        is None then): minimum = -(super_minimum * code).
     """
 
     def __init__(self, scheme: QuantScheme, shape, dtype: torch.dtype, codes: torch.Tensor,
                  scales=None, zero_points=None, tensor_scale=None, dq_codes=None, dq_scales=None,
-                 dq_offset=None, minimums=None):
+                 dq_offset=None, minimums=None, sub_scales=None, super_scales=None, sub_minimums=None,
+                 super_minimums=None):
         self.scheme = get_scheme(scheme)
         self.shape = torch.Size(shape)
         self.dtype = dtype
@@ -136,6 +154,8 @@ class QuantizedTensor:
         self.tensor_scale = tensor_scale
         self.dq_codes, self.dq_scales, self.dq_offset = dq_codes, dq_scales, dq_offset
         self.minimums = minimums
+        self.sub_scales, self.super_scales = sub_scales, super_scales
+        self.sub_minimums, self.super_minimums = sub_minimums, super_minimums
         self._validate()
 
     # --- construction checks (also guard loading from files) --------------------------------
@@ -203,8 +223,31 @@ class QuantizedTensor:
         return unpack(self.zero_points, bits, rows * groups, order=_PACK_ORDER).to(torch.int64).reshape(rows, groups)
 
     def minimum_values(self) -> torch.Tensor | None:
-        """Float32 minimums [rows, groups] (zero_point="float" schemes), else None."""
+        """Float32 minimums [rows, groups] (zero_point="float" schemes), else None. Super-block
+        schemes: -(super_minimum * code), the float32 product GGUF's dequantization subtracts."""
+        if self.sub_minimums is not None:
+            return -self._two_level(minimums=True)
         return self.minimums.to(torch.float32) if self.minimums is not None else None
+
+    def sub_scale_codes(self, minimums: bool = False) -> torch.Tensor:
+        """The integer sub-scale codes [rows, groups] (int64, in the sub-scale format: int8 gives
+        -128..127) of a super-block scheme; minimums=True: those of the minimums."""
+        s = self.scheme
+        if s.super_block is None:
+            raise TypeError(f"sub_scale_codes() is for super-block schemes, not {s.label}")
+        rows, _, _, groups = self._layout()
+        packed = self.sub_minimums if minimums else self.sub_scales
+        if packed is None:
+            raise ValueError(f"{s.label} has no float minimums")
+        sub = s.sub_scale_format_of
+        raw = unpack(packed, sub.bits, rows * groups, order=_PACK_ORDER).reshape(rows, groups)
+        return decode(raw, sub).to(torch.int64)
+
+    def _two_level(self, minimums: bool) -> torch.Tensor:
+        """float32 super-block value times the float32 sub-scale code, per group [rows, groups]."""
+        codes = self.sub_scale_codes(minimums)
+        supers = self.super_minimums if minimums else self.super_scales
+        return sc.expand_super(supers.to(torch.float32), self.scheme, codes.shape[1]) * codes.to(torch.float32)
 
     def scale_values(self) -> torch.Tensor | None:
         """Float32 scales [rows, groups] that multiply the element values (after double-quant)."""
@@ -214,6 +257,8 @@ class QuantizedTensor:
             return None
         if s.double_quant:
             return sc.double_dequantize(self.dq_codes, self.dq_scales, self.dq_offset).reshape(rows, groups)
+        if s.super_block is not None:
+            return self._two_level(minimums=False)
         if s.granularity == "mx":
             return sc.mx_scale_values(self.scales, s)
         if s.granularity == "nvfp4":
@@ -373,13 +418,37 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     g, valid = to_groups(x, scheme)
     if scales is not None and scheme.granularity in ("mx", "nvfp4"):
         raise ValueError(f"{scheme.granularity} scales follow their recipe; they cannot be given")
+    if scales is not None and scheme.super_block is not None:
+        raise ValueError("super-block scales are codes times super-block scales, not float scales: they cannot be "
+                         "given to quantize() (quantize_scaled takes a whole Scaling)")
     if zero_points is not None and (scales is None or scheme.symmetric):
         raise ValueError("zero_points go with given scales of an asymmetric scheme")
     if scales is not None:
         scaling = _given_scaling(scheme, x.shape, scales, zero_points)
     else:
         scaling = sc.choose(g, valid, scheme)
+    return _quantize_groups(x, scheme, g, scaling, gen)
+
+
+def quantize_scaled(x: torch.Tensor, scheme, scaling: sc.Scaling) -> QuantizedTensor:
+    """quantize(x, scheme) under a given Scaling of x's group view (as scales.choose returns it):
+    GPTQ assembles one for super-block schemes from the scalings it chose super-block by
+    super-block. The Scaling is trusted to fit the scheme and shape; the result is validated."""
+    scheme = get_scheme(scheme)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
+    g, _ = to_groups(x.detach(), scheme)
+    return _quantize_groups(x.detach(), scheme, g, scaling, rounding_generator(scheme, x.device))
+
+
+def _quantize_groups(x, scheme: QuantScheme, g, scaling: sc.Scaling, gen) -> QuantizedTensor:
+    """The QuantizedTensor of x (its group view g) under `scaling`: elements and scales stored."""
+    fmt = scheme.format
     y = scaling.scaled(g)
+    if scheme.super_block is not None:
+        parts = _super_block_parts(scheme, scaling)
+        codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
+        return QuantizedTensor(scheme, x.shape, x.dtype, pack(codes, fmt.bits, order=_PACK_ORDER), **parts)
     stored_as = _SCALE_DTYPES[scheme.scale_format]
     parts = {"scales": scaling.codes if scaling.codes is not None else scaling.scale.to(stored_as)}
     if scaling.tensor_scale is not None:
@@ -394,3 +463,18 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
         q, bs, off = sc.double_quantize(parts.pop("scales").to(torch.float32))
         parts.update(dq_codes=q, dq_scales=bs, dq_offset=off)
     return QuantizedTensor(scheme, x.shape, x.dtype, stored, **parts)
+
+
+def _super_block_parts(scheme: QuantScheme, scaling: sc.Scaling) -> dict[str, torch.Tensor]:
+    """The stored tensors of a super-block Scaling: packed sub-scale codes, super-block scales."""
+    sub = scheme.sub_scale_format_of
+    stored_as = _SCALE_DTYPES[scheme.scale_format]
+
+    def packed(codes):
+        bits = encode(codes.reshape(-1).to(torch.float32), sub)
+        return pack(bits.to(torch.uint8), sub.bits, order=_PACK_ORDER)
+
+    parts = {"sub_scales": packed(scaling.sub_codes), "super_scales": scaling.super_scale.to(stored_as)}
+    if scaling.sub_min_codes is not None:
+        parts.update(sub_minimums=packed(scaling.sub_min_codes), super_minimums=scaling.super_minimum.to(stored_as))
+    return parts
