@@ -1,12 +1,15 @@
 """Replacing a file atomically: the one way fewbits writes a file (fb.save, training checkpoints,
 the study's report), so that an interrupted write never leaves something that looks finished, and
 what a killed write left behind is recognisable by its name and removed by the next write of the
-same target. A leaf module: it imports nothing of fewbits, so every layer may use it."""
+same target. Directories (a Hugging Face model directory) the same way: DirectoryReplacement
+builds the new directory under a temporary name beside the target and renames it when complete.
+A leaf module: it imports nothing of fewbits, so every layer may use it."""
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -102,9 +105,91 @@ def _same_inode(fd: int, path: str) -> bool:
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
-def _remove_temp_dir(tmpdir: str) -> None:
+class DirectoryReplacement:
+    """A new directory at `path`, built in a private temporary directory beside it (named as
+    replacing() names its own, see temp_prefix, and locked the same way while it is written) and
+    renamed to `path` by commit() once complete; abort() (or an exception inside `with`) removes
+    it. Nothing at `path` looks finished before commit(): the target appears in one rename.
+
+    An existing `path` is refused (FileExistsError) unless overwrite=True; then commit() moves the
+    old one into a temporary directory of ours, renames the new one in and removes the old (a
+    process killed between those two renames leaves no target, and the old one under a temporary
+    name, which the next write removes). Each write first removes the temporary directories of
+    earlier writes of the same target that nobody holds any more."""
+
+    def __init__(self, path, overwrite: bool = False):
+        self.path = os.path.abspath(os.fspath(path))
+        self.overwrite = overwrite
+        if os.path.lexists(self.path) and not overwrite:
+            raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
+        self._parent = os.path.dirname(self.path)
+        self._prefix = temp_prefix(self.path)
+        os.makedirs(self._parent, exist_ok=True)
+        _remove_stale_temps(self._parent, self._prefix, tree=True)
+        self._fd, self.tmp = _locked_temp_dir(self._parent, self._prefix)
+        os.chmod(self.tmp, 0o777 & ~_umask())  # a model directory, readable as any other
+        self.done = False
+
+    def __enter__(self) -> DirectoryReplacement:
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None or not self.done:
+            self.abort()
+        return False
+
+    def commit(self) -> None:
+        """Sync every file written, then rename the directory to the target."""
+        if self.done:
+            raise RuntimeError("this directory was already committed or aborted")
+        for name in os.listdir(self.tmp):
+            full = os.path.join(self.tmp, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                fd = os.open(full, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_directory(self.tmp)
+        old_fd = old_dir = None
+        try:
+            if os.path.lexists(self.path):
+                if not self.overwrite:
+                    raise FileExistsError(f"{self.path} appeared while it was written; pass overwrite=True to replace it")
+                old_fd, old_dir = _locked_temp_dir(self._parent, self._prefix)
+                os.rename(self.path, os.path.join(old_dir, "old"))
+            os.rename(self.tmp, self.path)
+            self.done = True
+        finally:
+            if old_dir is not None:
+                _remove_temp_dir(old_dir, tree=True)
+                if old_fd is not None:
+                    os.close(old_fd)
+            if self.done:
+                self._release()
+        _fsync_directory(self._parent)
+
+    def abort(self) -> None:
+        """Remove the temporary directory and what was written in it."""
+        if self.done:
+            return
+        self.done = True
+        _remove_temp_dir(self.tmp, tree=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the lock
+            self._fd = None
+
+
+def _remove_temp_dir(tmpdir: str, tree: bool = False) -> None:
     """Remove a temporary directory of replacing() and the files in it (best effort: the error that
-    got us here matters more). Only its own entries: files and links, never a subdirectory."""
+    got us here matters more). Only its own entries: files and links, never a subdirectory; with
+    `tree` (DirectoryReplacement's directories) subdirectories too, links never followed."""
+    if tree:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        return
     try:
         names = os.listdir(tmpdir)
     except OSError:
@@ -122,7 +207,7 @@ def _remove_temp_dir(tmpdir: str) -> None:
         pass
 
 
-def _remove_stale_temps(directory: str, prefix: str) -> None:
+def _remove_stale_temps(directory: str, prefix: str, tree: bool = False) -> None:
     """Remove the temporary directories named `prefix` + 8 random characters in `directory`
     that are owned by this user and locked by no writer (see replacing). Without flock (not
     POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
@@ -149,7 +234,7 @@ def _remove_stale_temps(directory: str, prefix: str) -> None:
             except OSError:
                 continue  # a save in progress
             if _same_inode(fd, full):
-                _remove_temp_dir(full)
+                _remove_temp_dir(full, tree=tree)
         finally:
             os.close(fd)
 
