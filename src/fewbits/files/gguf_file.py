@@ -1,0 +1,768 @@
+"""GGUF files that llama.cpp and transformers load: write_gguf() and the llama.cpp type recipes.
+
+write_gguf(path, tensors, config, tokenizer) writes a model given as a tensor mapping (Hugging Face
+parameter names -> float torch.Tensor or QuantizedTensor, possibly lazy) with the `gguf` package's
+GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys llama.cpp reads
+(`gguf.Keys`) and the tokenizer as `tokenizer.ggml.*` metadata. Two architectures:
+
+- LlamaForCausalLM (SmolLM2, Llama-family configs), GGUF arch "llama". Written keys:
+  general.architecture, general.type, general.name (when the config names the model),
+  general.file_type, general.quantization_version (when a tensor is quantized), llama.vocab_size,
+  llama.context_length, llama.embedding_length, llama.block_count, llama.feed_forward_length,
+  llama.attention.head_count, llama.attention.head_count_kv, llama.rope.freq_base,
+  llama.rope.dimension_count, llama.attention.layer_norm_rms_epsilon (llama.attention.key_length /
+  value_length only where head_dim differs from hidden_size / heads). q_proj / k_proj rows are
+  permuted as llama.cpp's converter does (its rotary embedding pairs neighbouring rows, transformers'
+  pairs the two halves of each head); transformers' GGUF loader permutes them back. Tied
+  embeddings: token_embd.weight serves as the output too, and no output.weight is written
+  (an lm_head.weight in the mapping is skipped).
+- BertModel (all-MiniLM-L6-v2), GGUF arch "bert": token_embd, token_types, position_embd,
+  token_embd_norm, per block attn_q/k/v, attn_output, attn_output_norm, ffn_up, ffn_down,
+  layer_output_norm, every one with its bias. Keys: general.*, bert.vocab_size,
+  bert.context_length, bert.embedding_length, bert.block_count, bert.feed_forward_length,
+  bert.attention.head_count, bert.attention.layer_norm_epsilon, bert.attention.causal = false,
+  bert.pooling_type = MEAN (the pooling of sentence-transformers' all-MiniLM-L6-v2). The pooler
+  (pooler.dense) is not written, as in llama.cpp's converter ("only using BERT for embeddings").
+
+Tokenizer (`tokenizer=`: a transformers fast tokenizer, or a directory with tokenizer files):
+tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, token_type, merges, tokenizer.ggml.pre) for
+llama and "bert" (WordPiece: the vocabulary in llama.cpp's "phantom space" spelling, "##x" -> "x",
+other non-control tokens "\u2581x"; token_type_count) for BERT; the special token ids, the
+add_bos/add_eos/add_sep flags and the chat template come from `gguf.SpecialVocab` (the rules of
+llama.cpp's converter), add_bos/add_eos not set by those from what the tokenizer does (whether it
+puts the bos/eos token around "a"). Without a tokenizer, tokenizer.ggml.model is "none"
+(llama.cpp's vocabulary-less model: it loads, but cannot turn text into tokens).
+
+Tensor types: a QuantizedTensor in a GGUF block scheme (fewbits.files.gguf_blocks: q8_0, q4_0, q4_1,
+q5_0, q5_1 and the k-quants) is written as those blocks, bit for bit; float tensors as F32 when
+1-D (norms, biases) and for position_embd / token_types (as llama.cpp's converter: they are read
+with get_rows in F32), otherwise in their dtype (float32 -> F32, float16 -> F16, bfloat16 -> BF16;
+float64 -> F32, rounded). The tensors are read in two passes (names, shapes and types; then the
+data one tensor at a time) and the data is written tensor by tensor, so memory stays at about one
+tensor. Everything is checked before the file is opened: an unsupported architecture, tokenizer
+or rope type, a tensor that does not belong to the architecture or a missing one, a scheme with
+no GGUF type (nf4, mxfp4, int4 with groups of 128, ...), a row length the block type cannot hold:
+a ValueError naming the tensor, the problem and the supported choices. The write is atomic
+(fewbits.atomic.replacing); an existing path is refused unless overwrite=True.
+
+Deliberate differences from llama.cpp's convert_hf_to_gguf.py:
+- tokenizer.ggml.pre is chosen from the structure of the tokenizer's pre-tokenizer
+  (ByteLevel with its regex -> "gpt-2"; Digits(individual) + ByteLevel -> "smollm"; the Llama-3
+  split regex + ByteLevel -> "llama-bpe"), not from a hash of a sample text's tokens; any other
+  pre-tokenizer is refused. So SmolLM2's own tokenizer gives "smollm", as the converter does, but
+  the tokenizer fewbits caches for the packaged SmolLM2 (rebuilt by transformers from the GGUF,
+  without the digit split) gives "gpt-2": that is how that tokenizer splits text; on SmolLM2's
+  vocabulary, which merges no ASCII digits, both give the same tokens for ASCII text.
+- Added tokens: CONTROL when special or spelled <|...|>, else USER_DEFINED; the converter also
+  renormalizes non-normalized added tokens and knows a few more special-looking spellings.
+- BERT: tokenizer.ggml.pre is not written (llama.cpp uses none for WordPiece); the pooling type is
+  always MEAN (the converter reads sentence-transformers' modules.json); the head count of keys
+  and values is written only for llama (llama.cpp takes the head count for BERT).
+- general.file_type is `file_type=` (a recipe name such as "q4_k_m", or "f32"/"f16"/"bf16") or,
+  without it, inferred from the tensors: the GGUF type of the most 2-D weights (Q4_K/Q5_K count
+  as Q4_K_M/Q5_K_M when Q6_K tensors are present, else as the _S mixes). llama.cpp writes the
+  file type it was asked for; the value is informative for llama.cpp.
+- The k-quant tokenizer metadata, general.* descriptions (license, tags, ...) and the sampling
+  keys are not written: a config does not hold them.
+
+gguf_recipe(name, config) -> {module name: scheme name or None}: which GGUF type each Linear and
+the token embedding gets, llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) rules:
+- uniform "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k": every tensor in that type,
+  as `llama-quantize --pure` (plain `llama-quantize Q4_0` also puts the output matrix, or the tied
+  embedding, in Q6_K);
+- "q4_k_m", "q5_k_m": Q4_K / Q5_K, with attn_v and ffn_down in Q6_K on the layers
+  `use_more_bits` picks (the first and last eighth, and every third layer between), the output
+  matrix (or the tied embedding, and BERT's embedding, which llama.cpp treats as tied since the
+  file has no output.weight) in Q6_K, or in Q8_0 when its rows are not a multiple of 256;
+- "q4_k_s": Q4_K, with attn_v of the first 4 layers and ffn_down of the first eighth in Q5_K, the
+  output (tied embedding) as above;
+- then llama.cpp's fallback for rows that are not a multiple of the block: Q4_K -> Q5_0,
+  Q5_K -> Q5_1, Q6_K -> Q8_0; a row that is not a multiple of 32 either stays in float (None).
+Differences: llama.cpp refuses a legacy type on rows that are not a multiple of 32 (no fallback is
+defined); here that tensor stays in float. The 70B-model, expert (MoE) and Falcon rules do not
+apply to these architectures and are not reproduced. BERT's pooler.dense is None (not written).
+For a tied model the embedding's entry is the one matrix llama.cpp uses for input and output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..atomic import replacing
+from ..progress import counter
+from ..quant.tensor import QuantizedTensor
+from .gguf_blocks import GGUF_BLOCK_TYPES, encode_blocks, gguf_block_type
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "BertModel": "bert"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "bert": "BertModel"}
+UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+MIXED_RECIPES = {"q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
+RECIPES = UNIFORM_RECIPES + tuple(MIXED_RECIPES)
+# llama.cpp's tensor_type_fallback for rows that are not a multiple of the block
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_CHUNK_VALUES = 1 << 22  # values encoded at a time (encode_blocks' int64 intermediates: 32 MiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFSummary:
+    """What write_gguf wrote: tensor count, the GGML types used with their tensor counts, the
+    parameters, the bytes of tensor data and of the whole file, and bits per parameter (tensor
+    data bits over parameters)."""
+    path: str
+    architecture: str
+    tensors: int
+    types: dict
+    parameters: int
+    tensor_bytes: int
+    file_bytes: int
+    bits_per_parameter: float
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - gguf is a dependency of the GGUF files
+        raise ImportError("writing GGUF needs the gguf package: pip install gguf") from e
+    return gguf
+
+
+# ---------------------------------------------------------------------------------------------
+# the model description: config, architecture, the quantizable modules
+# ---------------------------------------------------------------------------------------------
+def _config_dict(config) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    raise TypeError(f"config must be a transformers PretrainedConfig or a config.json dict, got "
+                    f"{type(config).__name__}")
+
+
+def _architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    name = archs[0] if isinstance(archs, (list, tuple)) and archs else _MODEL_TYPES.get(cfg.get("model_type"))
+    if name not in ARCHITECTURES:
+        shown = name if name is not None else f"model_type {cfg.get('model_type')!r}"
+        raise ValueError(f"GGUF export does not support the architecture {shown}; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return name
+
+
+def _need(cfg: dict, key: str, kind=int):
+    value = cfg.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value <= 0):
+        raise ValueError(f"config {key} must be a positive {kind.__name__}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    name: str        # the Hugging Face module name ("model.layers.0.self_attn.q_proj")
+    category: str    # llama.cpp's tensor category: attn_q, attn_v, ffn_down, token_embd, output, ...
+    layer: int       # block index, -1 outside the blocks
+    row: int         # the row length (in_features; the hidden size for embeddings)
+
+
+def _dims(cfg: dict, arch: str) -> dict:
+    d = {k: _need(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "vocab_size", "max_position_embeddings")}
+    if arch == "LlamaForCausalLM":
+        d["num_key_value_heads"] = cfg.get("num_key_value_heads") or d["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        d["head_dim"] = head_dim
+        d["tied"] = bool(cfg.get("tie_word_embeddings", False))
+    else:
+        d["tied"] = True  # llama.cpp: no output.weight, so the embedding counts as tied
+    return d
+
+
+def _modules(cfg: dict, arch: str) -> list[_Module]:
+    """The quantizable modules (Linears and the token embedding) in llama.cpp's order."""
+    d = _dims(cfg, arch)
+    h, ff, n = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
+    if arch == "LlamaForCausalLM":
+        mods = [_Module("model.embed_tokens", "token_embd", -1, h)]
+        o_in = d["num_attention_heads"] * d["head_dim"]
+        for i in range(n):
+            p = f"model.layers.{i}."
+            mods += [_Module(p + "self_attn.q_proj", "attn_q", i, h), _Module(p + "self_attn.k_proj", "attn_k", i, h),
+                     _Module(p + "self_attn.v_proj", "attn_v", i, h),
+                     _Module(p + "self_attn.o_proj", "attn_output", i, o_in),
+                     _Module(p + "mlp.gate_proj", "ffn_gate", i, h), _Module(p + "mlp.up_proj", "ffn_up", i, h),
+                     _Module(p + "mlp.down_proj", "ffn_down", i, ff)]
+        if not d["tied"]:
+            mods.append(_Module("lm_head", "output", -1, h))
+        return mods
+    mods = [_Module("embeddings.word_embeddings", "token_embd", -1, h)]
+    for i in range(n):
+        p = f"encoder.layer.{i}."
+        mods += [_Module(p + "attention.self.query", "attn_q", i, h), _Module(p + "attention.self.key", "attn_k", i, h),
+                 _Module(p + "attention.self.value", "attn_v", i, h),
+                 _Module(p + "attention.output.dense", "attn_output", i, h),
+                 _Module(p + "intermediate.dense", "ffn_up", i, h), _Module(p + "output.dense", "ffn_down", i, ff)]
+    mods.append(_Module("pooler.dense", "pooler", -1, h))
+    return mods
+
+
+# ---------------------------------------------------------------------------------------------
+# gguf_recipe
+# ---------------------------------------------------------------------------------------------
+def _block(type_name: str) -> int:
+    gguf = _gguf()
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> str | None:
+    if recipe in UNIFORM_RECIPES:
+        t = recipe.upper()
+    else:
+        base = MIXED_RECIPES[recipe]
+        t = base
+        if m.category == "output" or (m.category == "token_embd" and tied):
+            t = "Q8_0" if m.row % _block(base) else "Q6_K"
+        elif m.category in ("attn_v", "ffn_down") and recipe in ("q4_k_m", "q5_k_m"):
+            if _use_more_bits(m.layer, n_layers):
+                t = "Q6_K"
+        elif m.category == "attn_v" and recipe == "q4_k_s" and m.layer < 4:
+            t = "Q5_K"
+        elif m.category == "ffn_down" and recipe == "q4_k_s" and m.layer < n_layers // 8:
+            t = "Q5_K"
+    if m.row % _block(t):
+        t = _FALLBACK.get(t)
+        if t is None or m.row % _block(t):
+            return None
+    return t
+
+
+def _scheme_of(type_name: str) -> str:
+    if type_name not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no fewbits scheme in this version; the GGUF block "
+                         f"schemes are {', '.join(p for p, _, _ in GGUF_BLOCK_TYPES.values())}")
+    return GGUF_BLOCK_TYPES[type_name][0]
+
+
+def gguf_recipe(name: str, config) -> dict[str, str | None]:
+    """{module name: fewbits scheme name, or None for float} for llama.cpp's type recipe `name`
+    ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_k_s",
+    "q5_k_m") on a model with this config (LlamaForCausalLM or BertModel): every Linear and the
+    token embedding (for a tied model the embedding stands for the output too). See the module
+    docstring for the rules and their differences from llama.cpp."""
+    if not isinstance(name, str) or name.lower() not in RECIPES:
+        raise ValueError(f"unknown GGUF recipe {name!r}; recipes: {', '.join(RECIPES)}")
+    recipe = name.lower()
+    cfg = _config_dict(config)
+    arch = _architecture(cfg)
+    d = _dims(cfg, arch)
+    out = {}
+    for m in _modules(cfg, arch):
+        t = None if m.category == "pooler" else _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"])
+        out[m.name] = None if t is None else _scheme_of(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensors: plan (pass 1) and data (pass 2)
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Entry:
+    name: str            # key in the mapping
+    gguf_name: str
+    shape: tuple         # torch shape
+    ggml: str            # GGML type name
+    quantized: bool
+    nbytes: int
+    heads: int | None    # q/k row permutation over this many heads (llama), else None
+
+
+def _skipped(name: str, arch: str, tied: bool) -> bool:
+    """Tensors a state dict holds that the GGUF does not: rotary buffers, BERT's position ids and
+    pooler, a tied lm_head."""
+    if name.endswith("rotary_emb.inv_freq") or name == "embeddings.position_ids":
+        return True
+    if arch == "BertModel":
+        return name.startswith("pooler.")
+    return tied and name == "lm_head.weight"
+
+
+_FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F32"}
+_ALWAYS_F32 = ("position_embd.weight", "token_types.weight")
+
+
+def _required(cfg: dict, arch: str) -> list[str]:
+    d = _dims(cfg, arch)
+    n = d["num_hidden_layers"]
+    if arch == "LlamaForCausalLM":
+        names = ["token_embd.weight", "output_norm.weight"] + ([] if d["tied"] else ["output.weight"])
+        per = ["attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+               "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    else:
+        names = [f"{t}.{s}" for t in ("token_embd_norm",) for s in ("weight", "bias")]
+        names += ["token_embd.weight", "token_types.weight", "position_embd.weight"]
+        per = [f"{t}.{s}" for t in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_output_norm", "ffn_up",
+                                    "ffn_down", "layer_output_norm") for s in ("weight", "bias")]
+    return names + [f"blk.{i}.{p}" for i in range(n) for p in per]
+
+
+def _plan(tensors: Mapping, cfg: dict, arch: str) -> list[_Entry]:
+    gguf = _gguf()
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of parameter names to tensors, got {type(tensors).__name__}")
+    d = _dims(cfg, arch)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCHITECTURES[arch].upper()], d["num_hidden_layers"])
+    schemes = ", ".join(p for p, _, _ in GGUF_BLOCK_TYPES.values())
+    entries, problems, seen = [], [], {}
+    for name in tensors:
+        if not isinstance(name, str):
+            problems.append(f"tensor name {name!r} is not a string")
+            continue
+        if _skipped(name, arch, d["tied"]):
+            continue
+        gname = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            problems.append(f"{name}: not a tensor of {arch} in GGUF")
+            continue
+        if gname in seen:
+            problems.append(f"{name}: maps to {gname} as {seen[gname]} does")
+            continue
+        seen[gname] = name
+        value = tensors[name]
+        heads = None
+        if arch == "LlamaForCausalLM" and ".attn_q." in gname:
+            heads = d["num_attention_heads"]
+        elif arch == "LlamaForCausalLM" and ".attn_k." in gname:
+            heads = d["num_key_value_heads"]
+        if isinstance(value, QuantizedTensor):
+            shape = tuple(value.shape)
+            try:
+                ggml = gguf_block_type(value.scheme)
+            except ValueError:
+                problems.append(f"{name}: scheme {value.scheme.label!r} has no GGUF type; the GGUF block "
+                                f"schemes are {schemes}")
+                continue
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml]]
+            if len(shape) != 2:
+                problems.append(f"{name}: a quantized GGUF tensor is a matrix; this one has shape {shape}")
+                continue
+            if shape[1] % block:
+                hint = f"; llama.cpp falls back to {_FALLBACK[ggml].lower()}" if ggml in _FALLBACK else ""
+                problems.append(f"{name}: GGUF {ggml} holds rows of a multiple of {block} values, these rows "
+                                f"have {shape[1]}{hint}")
+                continue
+            nbytes = shape[0] * (shape[1] // block) * type_size
+            quantized = True
+        elif isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            if value.dtype not in _FLOAT_TYPES:
+                problems.append(f"{name}: dtype {value.dtype} is not a float dtype GGUF takes "
+                                "(float32, float16, bfloat16, float64)")
+                continue
+            if len(shape) not in (1, 2):
+                problems.append(f"{name}: shape {shape}; GGUF tensors here are vectors or matrices")
+                continue
+            ggml = "F32" if len(shape) == 1 or gname in _ALWAYS_F32 else _FLOAT_TYPES[value.dtype]
+            nbytes = math.prod(shape) * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml]][1]
+            quantized = False
+        else:
+            problems.append(f"{name}: a {type(value).__name__}, not a torch.Tensor or QuantizedTensor")
+            continue
+        del value
+        if heads is not None and shape[0] % (2 * heads):
+            problems.append(f"{name}: {shape[0]} rows do not split into {heads} heads of rotary pairs")
+            continue
+        entries.append(_Entry(name, gname, shape, ggml, quantized, nbytes, heads))
+    missing = [n for n in _required(cfg, arch) if n not in seen]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        problems.append(f"missing for {arch} with {d['num_hidden_layers']} layers: {shown}")
+    emb = next((e for e in entries if e.gguf_name == "token_embd.weight"), None)
+    if emb is not None and emb.shape != (d["vocab_size"], d["hidden_size"]):
+        problems.append(f"{emb.name}: shape {emb.shape}, the config says ({d['vocab_size']}, {d['hidden_size']})")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError("cannot write this model as GGUF: " + "; ".join(problems[:10]) + more)
+    return entries
+
+
+def rotary_permutation(rows: int, heads: int) -> torch.Tensor:
+    """The row order llama.cpp's converter gives q_proj / k_proj: row j of the GGUF tensor is row
+    perm[j] of the Hugging Face one (within each head, rows h*d + 2i and h*d + 2i + 1 of the GGUF
+    tensor come from rows i and i + d/2 of the head)."""
+    idx = torch.arange(rows).reshape(heads, 2, rows // heads // 2)
+    return idx.transpose(1, 2).reshape(-1)
+
+
+def _sliceable(qt: QuantizedTensor) -> bool:
+    """Whether every tensor of qt's state is laid out row by row (flat codes of the same length
+    per row, or a leading dimension of rows), so that a slice of rows is a QuantizedTensor too."""
+    rows = qt.shape[0]
+    state = qt.state_dict()
+    codes = state.get("codes")
+    return (codes is not None and codes.dim() == 1 and rows > 0 and codes.numel() % rows == 0
+            and all(k == "codes" or (t.dim() >= 1 and t.shape[0] == rows) for k, t in state.items()))
+
+
+def _row_chunks(qt: QuantizedTensor):
+    """The QuantizedTensor in row slices of about _CHUNK_VALUES values (one piece when its state
+    is not laid out row by row), so that encoding keeps its intermediates small."""
+    rows, cols = qt.shape
+    step = max(1, _CHUNK_VALUES // max(cols, 1))
+    if rows <= step or not _sliceable(qt):
+        yield qt
+        return
+    state = qt.state_dict()
+    per = state["codes"].numel() // rows
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part = {k: (t[r0 * per:r1 * per] if k == "codes" else t[r0:r1]) for k, t in state.items()}
+        yield QuantizedTensor.from_state_dict(qt.scheme, (r1 - r0, cols), qt.dtype, part)
+
+
+def gguf_blocks_of(qt: QuantizedTensor) -> np.ndarray:
+    """encode_blocks(qt), encoded a slice of rows at a time (same bytes)."""
+    parts = [encode_blocks(c) for c in _row_chunks(qt)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def _data(value, e: _Entry) -> np.ndarray:
+    if e.quantized:
+        if not isinstance(value, QuantizedTensor) or tuple(value.shape) != e.shape:
+            raise ValueError(f"{e.name} changed between the two reads of the mapping")
+        arr = gguf_blocks_of(value)
+    else:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != e.shape:
+            raise ValueError(f"{e.name} changed between the two reads of the mapping")
+        t = value.detach().to("cpu")
+        if e.ggml == "F32":
+            arr = t.to(torch.float32).contiguous().numpy()
+        elif e.ggml == "F16":
+            arr = t.contiguous().numpy()
+        else:  # BF16: its bit patterns
+            arr = t.contiguous().view(torch.int16).numpy()
+    if e.heads is not None:
+        arr = arr[rotary_permutation(e.shape[0], e.heads).numpy()]
+    arr = np.ascontiguousarray(arr)
+    if arr.nbytes != e.nbytes:
+        raise ValueError(f"{e.name}: {arr.nbytes} bytes of data, {e.nbytes} expected")
+    return arr
+
+
+def _add_tensor_info(w, e: _Entry) -> None:
+    gguf = _gguf()
+    t = gguf.GGMLQuantizationType[e.ggml]
+    if e.quantized:
+        block, type_size = gguf.GGML_QUANT_SIZES[t]
+        byte_shape = (*e.shape[:-1], e.shape[-1] // block * type_size)
+        w.add_tensor_info(e.gguf_name, byte_shape, np.dtype(np.uint8), e.nbytes, raw_dtype=t)
+    else:
+        np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[e.ggml]
+        w.add_tensor_info(e.gguf_name, e.shape, np.dtype(np_dtype), e.nbytes, raw_dtype=t)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Vocab:
+    model: str
+    pre: str | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    token_types: list = dataclasses.field(default_factory=list)
+    merges: list = dataclasses.field(default_factory=list)
+    special_ids: dict = dataclasses.field(default_factory=dict)
+    add_flags: dict = dataclasses.field(default_factory=dict)
+    chat_template: object = None
+    add_space_prefix: bool | None = None
+    token_type_count: int | None = None
+
+
+def _llama3_split():
+    """The split regex transformers applies to a "llama-bpe" GGUF tokenizer (Llama 3's)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:
+        return None
+    return GGUF_PRE_TOKENIZER_SPLITS.get("llama-bpe")
+
+
+BPE_PRE_TOKENIZERS = ("gpt-2 (ByteLevel with its regex)", "smollm (Digits(individual_digits) + ByteLevel)",
+                      "llama-bpe (Split(Llama-3 regex) + ByteLevel without regex)")
+
+
+def _bpe_pre(pre: dict | None) -> tuple[str, bool]:
+    """(tokenizer.ggml.pre, the ByteLevel's add_prefix_space) for a byte-level BPE pre-tokenizer."""
+    parts = (pre.get("pretokenizers") or []) if pre and pre.get("type") == "Sequence" else ([pre] if pre else [])
+    kinds = [p.get("type") for p in parts]
+    last = parts[-1] if parts else {}
+    prefix = bool(last.get("add_prefix_space", False))
+    if kinds == ["ByteLevel"] and last.get("use_regex", True):
+        return "gpt-2", prefix
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and last.get("use_regex", True):
+        return "smollm", prefix
+    if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True):
+        split = parts[0]
+        regex = (split.get("pattern") or {}).get("Regex")
+        if regex is not None and regex == _llama3_split() and split.get("behavior") == "Isolated" \
+                and not split.get("invert", False):
+            return "llama-bpe", prefix
+    raise ValueError(f"the tokenizer's pre-tokenizer {json.dumps(pre)[:300]} is not one this GGUF writer "
+                     f"knows how to name for llama.cpp; supported: {'; '.join(BPE_PRE_TOKENIZERS)}")
+
+
+def _load_tokenizer(tokenizer):
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        if not os.path.isdir(path):
+            raise ValueError(f"tokenizer {path!r} is not a directory with tokenizer files")
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure to read is the same error for the caller
+            raise ValueError(f"cannot read a tokenizer from {path!r}: {e}") from e
+    if getattr(tokenizer, "backend_tokenizer", None) is None or not callable(getattr(tokenizer, "get_vocab", None)):
+        raise TypeError(f"tokenizer must be a transformers fast tokenizer or a directory, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _looks_control(token: str) -> bool:
+    return token.startswith("<|") and token.endswith("|>")
+
+
+def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
+    gguf = _gguf()
+    if tokenizer is None:
+        return _Vocab(model="none")
+    tok = _load_tokenizer(tokenizer)
+    backend = json.loads(tok.backend_tokenizer.to_str())
+    kind = (backend.get("model") or {}).get("type")
+    vocab_size = _need(cfg, "vocab_size")
+    if arch == "LlamaForCausalLM":
+        if kind != "BPE" or (backend.get("model") or {}).get("byte_fallback"):
+            raise ValueError(f"a {arch} GGUF is written with a byte-level BPE tokenizer (llama.cpp's gpt2 "
+                             f"vocabulary); this tokenizer is {kind}"
+                             f"{' with byte fallback (sentencepiece)' if kind == 'BPE' else ''}")
+        pre, prefix = _bpe_pre(backend.get("pre_tokenizer"))
+        v = _Vocab(model="gpt2", pre=pre, add_space_prefix=prefix)
+    else:
+        if kind != "WordPiece":
+            raise ValueError(f"a BertModel GGUF is written with a WordPiece tokenizer; this one is {kind}")
+        v = _Vocab(model="bert", token_type_count=_need(cfg, "type_vocab_size"))
+    ids = tok.get_vocab()
+    if ids and max(ids.values()) >= vocab_size:
+        raise ValueError(f"the tokenizer has token id {max(ids.values())}, beyond the model's vocab_size {vocab_size}")
+    by_id = {i: t for t, i in ids.items()}
+    added = {i: a for i, a in getattr(tok, "added_tokens_decoder", {}).items()}
+    T = gguf.TokenType
+    for i in range(vocab_size):
+        token = by_id.get(i)
+        if token is None:
+            v.tokens.append(f"[PAD{i}]")
+            v.token_types.append(T.UNUSED)
+            continue
+        if i in added:
+            kind_i = T.CONTROL if added[i].special or _looks_control(token) else T.USER_DEFINED
+        else:
+            kind_i = T.NORMAL
+        if v.model == "bert" and kind_i != T.CONTROL:
+            token = token[2:] if token.startswith("##") else "\u2581" + token
+        v.tokens.append(token)
+        v.token_types.append(kind_i)
+    with tempfile.TemporaryDirectory(prefix="fewbits-gguf-vocab-") as tmp:
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({k: val for k, val in cfg.items() if k.endswith("_token_id") and isinstance(val, int)}, f)
+        special = gguf.SpecialVocab(tmp, load_merges=v.model == "gpt2", n_vocab=vocab_size)
+    if v.model == "gpt2" and not special.merges:
+        raise ValueError("the BPE tokenizer has no merges")
+    v.merges = list(special.merges)
+    v.special_ids = dict(special.special_token_ids)
+    v.add_flags = dict(special.add_special_token)
+    v.chat_template = special.chat_template
+    with_special = tok("a")["input_ids"]
+    without = tok("a", add_special_tokens=False)["input_ids"]
+    if "bos" not in v.add_flags and "bos" in v.special_ids:
+        v.add_flags["bos"] = len(with_special) > len(without) and with_special[0] == v.special_ids["bos"]
+    if "eos" not in v.add_flags and "eos" in v.special_ids:
+        v.add_flags["eos"] = len(with_special) > len(without) and with_special[-1] == v.special_ids["eos"]
+    return v
+
+
+def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
+    w.add_tokenizer_model(v.model)
+    if v.model == "none":
+        return
+    if v.pre is not None:
+        w.add_tokenizer_pre(v.pre)
+    w.add_token_list(v.tokens)
+    w.add_token_types(v.token_types)
+    if v.merges:
+        w.add_token_merges(v.merges)
+    if v.token_type_count is not None:
+        w.add_token_type_count(v.token_type_count)
+    if v.add_space_prefix is not None:
+        w.add_add_space_prefix(v.add_space_prefix)
+    for typ, tid in v.special_ids.items():
+        adder = getattr(w, f"add_{typ}_token_id", None)
+        if adder is not None:  # gguf has no key for cls (llama.cpp takes bos)
+            adder(tid)
+    for typ, flag in v.add_flags.items():
+        adder = getattr(w, f"add_add_{typ}_token", None)
+        if adder is not None:
+            adder(bool(flag))
+    if v.chat_template:
+        w.add_chat_template(v.chat_template)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+# ---------------------------------------------------------------------------------------------
+def _rope_theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, Mapping) else None
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported by this GGUF writer; supported: default")
+    theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, Mapping) else None)
+    if theta is None:
+        theta = 10000.0  # transformers' LlamaConfig default
+    return float(theta)
+
+
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+               "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
+               "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K",
+               "q4_k_m": "MOSTLY_Q4_K_M", "q4_k_s": "MOSTLY_Q4_K_S", "q5_k_m": "MOSTLY_Q5_K_M",
+               "q5_k_s": "MOSTLY_Q5_K_S"}
+
+
+def _file_type(file_type, entries: list[_Entry]) -> int:
+    gguf = _gguf()
+    if file_type is not None:
+        key = str(file_type).lower()
+        if key not in _FILE_TYPES:
+            raise ValueError(f"unknown file_type {file_type!r}; choices: {', '.join(_FILE_TYPES)}")
+        return int(gguf.LlamaFileType[_FILE_TYPES[key]])
+    weights = Counter(e.ggml for e in entries if len(e.shape) == 2)
+    quant = Counter({t: c for t, c in weights.items() if t not in ("F32", "F16", "BF16")})
+    if not quant:
+        top = weights.most_common(1)[0][0] if weights else "F32"
+        return int(gguf.LlamaFileType[_FILE_TYPES[top.lower()]])
+    top = quant.most_common(1)[0][0]
+    if top in ("Q4_K", "Q5_K"):
+        key = top.lower() + ("_m" if "Q6_K" in quant else "_s")
+    else:
+        key = top.lower()
+    return int(gguf.LlamaFileType[_FILE_TYPES[key]])
+
+
+def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> None:
+    gguf = _gguf()
+    d = _dims(cfg, arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    name = cfg.get("_name_or_path") or cfg.get("name_or_path")
+    if isinstance(name, str) and name.strip():
+        w.add_name(os.path.basename(name.rstrip("/\\")) or name)
+    w.add_vocab_size(d["vocab_size"])
+    w.add_context_length(d["max_position_embeddings"])
+    w.add_embedding_length(d["hidden_size"])
+    w.add_block_count(d["num_hidden_layers"])
+    w.add_feed_forward_length(d["intermediate_size"])
+    w.add_head_count(d["num_attention_heads"])
+    if arch == "LlamaForCausalLM":
+        w.add_head_count_kv(d["num_key_value_heads"])
+        w.add_rope_freq_base(_rope_theta(cfg))
+        w.add_rope_dimension_count(d["head_dim"])
+        if d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
+            w.add_key_length(d["head_dim"])
+            w.add_value_length(d["head_dim"])
+        w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    else:
+        w.add_layer_norm_eps(float(cfg.get("layer_norm_eps", 1e-12)))
+        w.add_causal_attention(False)
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_file_type(_file_type(file_type, entries))
+    if any(e.quantized for e in entries):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _check_config(cfg: dict, arch: str) -> None:
+    _dims(cfg, arch)
+    act = cfg.get("hidden_act", "silu" if arch == "LlamaForCausalLM" else "gelu")
+    want = "silu" if arch == "LlamaForCausalLM" else "gelu"
+    if act != want:
+        raise ValueError(f"llama.cpp's {ARCHITECTURES[arch]} architecture computes {want}; this config has "
+                         f"hidden_act {act!r}")
+    if arch == "LlamaForCausalLM":
+        _rope_theta(cfg)
+    elif cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type {cfg.get('position_embedding_type')!r}: llama.cpp's BERT "
+                         "has absolute position embeddings only")
+
+
+# ---------------------------------------------------------------------------------------------
+# write_gguf
+# ---------------------------------------------------------------------------------------------
+def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: bool = False, progress=None,
+               file_type=None) -> GGUFSummary:
+    """Write a GGUF file at `path` that llama.cpp and transformers load (see the module docstring).
+
+    tensors: {Hugging Face parameter name: float torch.Tensor or QuantizedTensor}, read twice (once
+        for names, shapes and types, once for the data, one tensor at a time); may be lazy.
+    config: the model's transformers PretrainedConfig or its config.json dict (LlamaForCausalLM
+        or BertModel).
+    tokenizer: a transformers fast tokenizer or a directory with its files; None writes no
+        vocabulary (tokenizer.ggml.model "none").
+    overwrite: replace an existing file (otherwise FileExistsError).
+    progress: True for a bar on stderr, or a callable(done, total, name); per tensor written.
+    file_type: general.file_type as a recipe name ("q4_k_m", "q4_0", "f16", ...); inferred when None.
+
+    Returns a GGUFSummary (tensors, types with their counts, bytes, bits per parameter).
+    """
+    gguf = _gguf()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give the GGUF file's path")
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    cfg = _config_dict(config)
+    arch = _architecture(cfg)
+    _check_config(cfg, arch)
+    entries = _plan(tensors, cfg, arch)
+    vocab = _vocabulary(tokenizer, cfg, arch)
+    if file_type is not None:
+        _file_type(file_type, entries)
+    report = counter(progress, len(entries), "writing GGUF")
+    with replacing(path) as tmp:
+        w = gguf.GGUFWriter(tmp, ARCHITECTURES[arch])
+        try:
+            _add_metadata(w, cfg, arch, entries, file_type)
+            _add_vocab(w, vocab, cfg)
+            for e in entries:
+                _add_tensor_info(w, e)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for done, e in enumerate(entries, 1):
+                arr = _data(tensors[e.name], e)
+                w.write_tensor_data(arr)
+                del arr
+                report(done, e.gguf_name)
+        finally:
+            w.close()
+    parameters = sum(math.prod(e.shape) for e in entries)
+    tensor_bytes = sum(e.nbytes for e in entries)
+    return GGUFSummary(path=path, architecture=ARCHITECTURES[arch], tensors=len(entries),
+                       types=dict(Counter(e.ggml for e in entries)), parameters=parameters,
+                       tensor_bytes=tensor_bytes, file_bytes=os.path.getsize(path),
+                       bits_per_parameter=tensor_bytes * 8 / parameters if parameters else float("nan"))
