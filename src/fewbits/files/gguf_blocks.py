@@ -59,16 +59,23 @@ GGUF_BLOCK_TYPES = {
 }
 
 
-def _unnamed(scheme: QuantScheme) -> QuantScheme:
-    return dataclasses.replace(scheme, name=None)
+def _stored_as(scheme: QuantScheme) -> QuantScheme | None:
+    """The scheme with the fields that do not change what is stored (name, how the scales and codes
+    are chosen: scale_method, percentile, mode, seed) set to one value; None if that is no scheme."""
+    try:
+        return dataclasses.replace(scheme, name=None, scale_method="absmax", percentile=99.9,
+                                   mode="nearest_even", seed=0)
+    except ValueError:
+        return None
 
 
 def gguf_block_type(scheme) -> str:
-    """The GGML type name ("Q4_0", ...) of a scheme that is one of the GGUF block presets (by its
-    fields, whatever its name); a ValueError naming the supported presets otherwise."""
-    s = _unnamed(get_scheme(scheme))
+    """The GGML type name ("Q4_0", ...) of a scheme stored as one of the GGUF block presets is
+    (its fields, whatever its name; how it chooses scales and codes does not matter: q4_k with
+    scale_method "absmax" is Q4_K too); a ValueError naming the supported presets otherwise."""
+    s = _stored_as(get_scheme(scheme))
     for name, (preset, _, _) in GGUF_BLOCK_TYPES.items():
-        if _unnamed(get_scheme(preset)) == s:
+        if s is not None and _stored_as(get_scheme(preset)) == s:
             return name
     presets = ", ".join(p for p, _, _ in GGUF_BLOCK_TYPES.values())
     raise ValueError(f"scheme {get_scheme(scheme).label!r} has no GGUF block format; the GGUF block schemes are "

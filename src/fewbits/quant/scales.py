@@ -337,23 +337,30 @@ def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     largest sub-scale code (symmetric: the group scale of largest magnitude / the lowest code,
     so that it gets code -128 as in Q6_K), rounded to the scale format (fp16), each group's code
     round(scale / d) clamped to the sub-scale format, and the effective scale d * code (float32,
-    exact). The minimums likewise (codes of -minimum, unsigned). scaled() then rounds the elements
+    exact). The minimums likewise (codes of -minimum, unsigned). With "mse" each group's codes
+    are then chosen among the neighbours of scale / d (and -minimum / dmin), floor or ceil, by the
+    weighted error of its elements rounded under them (_refine_codes). scaled() then rounds the elements
     under these final scales and minimums, as quantize() rounds every float-minimum or symmetric
     scheme: round((x - minimum) * (1 / scale)).
 
     Deliberate differences from llama.cpp's quantize_row_q4_K_ref / q6_K_ref: the codes are
-    rounded against the fp16-rounded d (llama.cpp rounds them against the unrounded one), the
-    elements are multiplied by 1 / scale rather than divided and rounded half to even (as every
-    fewbits scheme), and a group whose scale code is 0 keeps codes that dequantize to its minimum
+    chosen against the fp16-rounded d (llama.cpp rounds scale * 63 / max against the unrounded
+    one), floor or ceil by the resulting error (llama.cpp: nearest), the elements are multiplied
+    by 1 / scale rather than divided and rounded half to even (as every fewbits scheme), the search
+    sums in float64, and a group whose scale code is 0 keeps codes that dequantize to its minimum
     (llama.cpp leaves the search's codes there: they dequantize to the same value)."""
     sub = scheme.sub_scale_format_of
     rows, groups, _ = g.shape
     scale, neg_min = group_params(g, valid, scheme)
     d, codes = _super_scales(scale, scheme, sub)
+    dmin = mcodes = None
+    if scheme.zero_point == "float":
+        dmin, mcodes = _super_scales(neg_min, scheme, sub)
+    if scheme.scale_method == "mse":
+        codes, mcodes = _refine_codes(g, valid, scheme, scale, neg_min, d, dmin)
     eff = expand_super(d, scheme, groups) * codes.to(torch.float32)
     if scheme.zero_point != "float":
         return Scaling(eff, reciprocal(eff), sub_codes=codes, super_scale=d)
-    dmin, mcodes = _super_scales(neg_min, scheme, sub)
     minimum = -(expand_super(dmin, scheme, groups) * mcodes.to(torch.float32))
     return Scaling(eff, reciprocal(eff), minimum=minimum, sub_codes=codes, super_scale=d,
                    sub_min_codes=mcodes, super_minimum=dmin)
@@ -383,6 +390,66 @@ def _super_scales(values: torch.Tensor, scheme: QuantScheme, sub) -> tuple[torch
     codes = torch.round(values / safe).clamp(sub.lowest, sub.max)
     codes = torch.where(d_exp == 0, torch.zeros_like(codes), codes)
     return d, codes.to(torch.int64)
+
+
+def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
+    """Each group's sub-scale codes (and sub-minimum codes) under the super-block scales d (dmin):
+    of the codes just below and just above scale / d (-minimum / dmin), the pair whose elements,
+    rounded under it, have the least weighted squared error (the weights of group_params)."""
+    sub = scheme.sub_scale_format_of
+    rows, groups, n = g.shape
+    fmt = scheme.format
+    lo_q, hi_q = (0.0, float(2 ** fmt.bits - 1)) if scheme.zero_point == "float" else (float(fmt.lowest), float(fmt.max))
+    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
+
+    def neighbours(values, dd):
+        de = expand_super(dd, scheme, groups).to(torch.float64)
+        zero = de == 0
+        c = torch.floor(values / torch.where(zero, torch.ones_like(de), de))
+        pair = [c.clamp(sub.lowest, sub.max), (c + 1).clamp(sub.lowest, sub.max)]
+        return [torch.where(zero, torch.zeros_like(p), p) for p in pair], de
+
+    sc_pairs, de = neighbours(scale, d)
+    if neg_min is not None:
+        m_pairs, dme = neighbours(neg_min, dmin)
+    out_s, out_m = [], []
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = g[r0:r1].to(torch.float64)
+        w = _weights(x, valid, scheme)
+        best = best_s = best_m = None
+        for cs in sc_pairs:
+            for cm in (m_pairs if neg_min is not None else [None]):
+                s_ = (de[r0:r1] * cs[r0:r1]).unsqueeze(-1)
+                m_ = -(dme[r0:r1] * cm[r0:r1]).unsqueeze(-1) if cm is not None else 0.0
+                q = torch.round((x - m_) / torch.where(s_ == 0, torch.ones_like(s_), s_)).clamp_(lo_q, hi_q)
+                err = (w * (q * s_ + m_ - x) ** 2).sum(-1)
+                if best is None:
+                    best, best_s, best_m = err, cs[r0:r1], (cm[r0:r1] if cm is not None else None)
+                    continue
+                better = err < best
+                best = torch.where(better, err, best)
+                best_s = torch.where(better, cs[r0:r1], best_s)
+                if cm is not None:
+                    best_m = torch.where(better, cm[r0:r1], best_m)
+        out_s.append(best_s)
+        out_m.append(best_m)
+    codes = torch.cat(out_s).to(torch.int64)
+    mcodes = torch.cat(out_m).to(torch.int64) if neg_min is not None else None
+    return codes, mcodes
+
+
+def _weights(x: torch.Tensor, valid, scheme: QuantScheme) -> torch.Tensor:
+    """The weights of the k-quant searches, as llama.cpp's reference quantizers weigh the error:
+    float minimums sqrt(mean x^2) + |x| (per group), symmetric x^2; 0 on padding. x: float64."""
+    if scheme.zero_point == "float":
+        w = x.abs() + torch.sqrt((x * x).mean(-1) if valid is None else
+                                 (x * x).sum(-1) / valid.sum(-1).clamp(min=1)).unsqueeze(-1)
+    else:
+        w = x * x
+    if valid is not None:
+        w = torch.where(valid, w, torch.zeros_like(w))
+    return w
 
 
 def group_params(g: torch.Tensor, valid, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -427,10 +494,7 @@ def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
     scale = torch.where(flat, torch.zeros_like(span), span / nmax)
     minimum = lo
     if scheme.scale_method == "mse":
-        w = x.abs() + torch.sqrt((x * x).mean(-1) if valid is None else
-                                 (x * x).sum(-1) / valid.sum(-1).clamp(min=1)).unsqueeze(-1)
-        if valid is not None:
-            w = torch.where(valid, w, torch.zeros_like(w))
+        w = _weights(x, valid, scheme)
         sw, sx, sx2 = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
         xs = x - lo.unsqueeze(-1)
 
@@ -471,7 +535,7 @@ def _symmetric_params(x: torch.Tensor, valid, scheme: QuantScheme):
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the value of largest magnitude
     zero = peak == 0
     safe_peak = torch.where(zero, torch.ones_like(peak), peak)
-    w = x * x  # padding is 0: weight 0
+    w = _weights(x, valid, scheme)
     scale = best = None
     for i in _SYMMETRIC_STEPS:
         iscale = -(nmax + 0.1 * i) / safe_peak
