@@ -225,10 +225,15 @@ def test_quantize_out_is_checked_before_the_model_loads(capsys, monkeypatch, tmp
     afile = tmp_path / "afile"
     afile.write_text("x")
     _no_work(monkeypatch, sq, "get_subject")
-    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile), "--quiet")
+    code, out, err = run(capsys, "quantize", "--compare", "int8", "--out", str(afile), "--quiet")
     assert code == 1 and out == "" and "exists and is not a directory" in err
-    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile / "sub"), "--quiet")
+    code, out, err = run(capsys, "quantize", "--compare", "int8", "--out", str(afile / "sub"), "--quiet")
     assert code == 1 and "is a file, not a directory" in err
+    # converting: an existing output is refused unless --overwrite, before anything is read
+    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile), "--quiet")
+    assert code == 1 and out == "" and "exists; add --overwrite" in err
+    code, out, err = run(capsys, "quantize", "--scheme", "int8", "--out", str(afile / "sub" / "m"), "--quiet")
+    assert code == 1 and "is not a directory" in err
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: a directory nobody can write in")

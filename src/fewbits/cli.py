@@ -412,12 +412,78 @@ def _quant_list(args, out) -> int:
     return 0
 
 
+def _quant_source(model: str, tmp: str) -> str:
+    """The Hugging Face directory to convert: a built-in model's, the given directory, or a GGUF
+    file converted (dequantized by transformers) into `tmp`."""
+    from .models import minilm_path, smollm2_directory
+
+    if model == "minilm":
+        return str(minilm_path())
+    if model == "smollm2":
+        return str(smollm2_directory())
+    if os.path.isdir(model):
+        return model
+    if os.path.isfile(model) and model.lower().endswith(".gguf"):
+        from pathlib import Path
+
+        from .models.smollm2 import gguf_to_directory
+        gguf_to_directory(Path(model).resolve(), Path(tmp))
+        return tmp
+    raise ValueError(f"unknown model {model!r}: use minilm, smollm2, a Hugging Face model directory or a GGUF file")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _quant_convert(args, out, say) -> int:
+    """`fewbits quantize MODEL --scheme S --out OUT [--format F]`: write a deployable model."""
+    from .files.conversion import convert, output_format
+    from .study import quantization as sq
+
+    fmt = output_format(args.out, args.format)
+    if os.path.lexists(args.out) and not args.overwrite:
+        raise OSError(f"--out {args.out}: exists; add --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(parent):
+        raise OSError(f"--out {args.out}: {parent} is not a directory")
+    _probe_writable(parent, "--out", args.out)
+    with tempfile.TemporaryDirectory(prefix=".fewbits-source-", dir=parent) as tmp:
+        say(f"reading {args.model} ...")
+        source = _quant_source(args.model, os.path.join(tmp, "model"))
+        plan = sq.conversion_plan(source, args.scheme, fmt, budget=args.budget, progress=say)
+        calibration = None
+        if args.method == "gptq":
+            calibration = sq.calibration_for_directory(source, args.calibration)
+            say(f"GPTQ calibration: {len(calibration)} batches")
+        say(f"quantizing into {args.out} ({fmt}) ...")
+        summary = convert(source, args.out, plan["rules"], format=fmt, method=args.method, calibration=calibration,
+                          embeddings=plan["embeddings"], tied=plan["tied"], overwrite=args.overwrite,
+                          progress=not args.quiet)
+    result = {"model": args.model, "format": fmt, **summary.to_dict()}
+    if args.json:
+        _emit_json(result, out)
+    else:
+        print(render_table(["layers", "bits/param", "size on disk", "time", "peak memory"],
+                           [[str(summary.layers), f"{summary.bits_per_param:.3f}", _gb(summary.bytes),
+                             f"{summary.seconds:.1f} s", _gb(summary.peak_rss_bytes)]], right=(0, 1, 2, 3, 4)),
+              file=out)
+        print(f"wrote {args.out}", file=out)
+    return 0
+
+
 def cmd_quantize(args, out) -> int:
     from .quant import get_scheme
     from .study import quantization as sq
 
     if args.list:
         return _quant_list(args, out)
+    args.model = args.model_path or args.model or "minilm"
+    if args.out and args.compare is None and (args.scheme or args.budget is not None):
+        return _quant_convert(args, out, Lines("fewbits", enabled=not args.quiet))
+    if args.format or args.overwrite or args.calibration:
+        raise ValueError("--format, --overwrite and --calibration go with a conversion: "
+                         "--scheme S (or --budget BITS) --out OUT")
     schemes = [s.strip() for s in (args.compare or args.scheme or "").split(",") if s.strip()]
     if not schemes and args.budget is None:
         raise ValueError("give --scheme NAME, --compare A,B,... or --budget BITS")
@@ -794,19 +860,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="also plot the relative error in each format")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("quantize", help="quantize a real model and measure quality, size and speed",
-                       description="Quantize a real model (MiniLM, SmolLM2 or your Hugging Face model directory) "
-                                   "under one or more schemes and measure quality, bits per parameter, bytes "
-                                   "and throughput against fp32.")
-    p.add_argument("--model", default="minilm", metavar="NAME|PATH",
-                   help="minilm, smollm2 or a path to a Hugging Face model directory (default minilm)")
-    p.add_argument("--scheme", metavar="NAME", help="a quantization preset (see `fewbits quantize --list`)")
+    p = sub.add_parser("quantize", help="quantize a model: write it for deployment, or measure schemes",
+                       description="Quantize a model (MiniLM, SmolLM2, your Hugging Face model directory or a "
+                                   "GGUF file). With --scheme S --out OUT: write the quantized model (a Hugging "
+                                   "Face directory, a GGUF file or a fewbits file), streamed from disk. With "
+                                   "--compare (or --scheme without --out): measure quality, bits per parameter, "
+                                   "bytes and throughput against fp32.")
+    p.add_argument("model_path", nargs="?", metavar="MODEL",
+                   help="minilm, smollm2, a Hugging Face model directory or a GGUF file (default minilm)")
+    p.add_argument("--model", metavar="NAME|PATH", help="the same as MODEL")
+    p.add_argument("--scheme", metavar="NAME", help="a quantization preset (see `fewbits quantize --list`); with "
+                   "--format gguf also a llama.cpp mix: q4_k_m, q4_k_s, q5_k_m")
     p.add_argument("--compare", metavar="A,B,C", nargs="?", const=_QUANT_DEFAULT_COMPARE,
                    help=f"several presets: a comparison table and plot (alone: {_QUANT_DEFAULT_COMPARE})")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn", help="rounding method (default rtn)")
     p.add_argument("--budget", type=float, metavar="BITS",
                    help="choose a scheme per layer to fit this many bits per parameter")
-    p.add_argument("--out", metavar="DIR", help="write results.json and quality_vs_bits.png there")
+    p.add_argument("--out", metavar="OUT", help="with --scheme or --budget: write the quantized model there "
+                   "(see --format); with --compare: a directory for results.json and quality_vs_bits.png")
+    p.add_argument("--format", choices=("fewbits", "hf", "gguf"),
+                   help="the written model: hf (a Hugging Face directory), gguf (for llama.cpp) or fewbits (one "
+                   "safetensors file); default from OUT: *.gguf, *.safetensors, else hf")
+    p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method gptq "
+                   "(default: Python's pydoc topics)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quick", action="store_true", help="fewer evaluation sentences/tokens")
     p.add_argument("--list", action="store_true", help="list the quantization presets and exit")
     p.add_argument("--quiet", action="store_true", help="no progress messages")

@@ -227,7 +227,7 @@ def test_cache_is_built_atomically(monkeypatch, tmp_path):
     # the conversion itself (20 s) is exercised by the slow test; here only the directory dance
     def convert(gguf, target):
         (target / "model.safetensors").write_bytes(gguf.read_bytes())
-    monkeypatch.setattr(S, "_convert_gguf", convert)
+    monkeypatch.setattr(S, "gguf_to_directory", convert)
     gguf = _fake_gguf(tmp_path)
     stamp = S._source_stamp(gguf)
     cache = tmp_path / "cache" / "smollm2"
@@ -250,7 +250,7 @@ def test_failed_conversion_leaves_no_cache(monkeypatch, tmp_path):
     def convert(gguf, target):
         (target / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("disk full")
-    monkeypatch.setattr(S, "_convert_gguf", convert)
+    monkeypatch.setattr(S, "gguf_to_directory", convert)
     gguf = _fake_gguf(tmp_path)
     cache = tmp_path / "cache" / "smollm2"
     with pytest.raises(RuntimeError, match="disk full"):
@@ -261,13 +261,13 @@ def test_failed_conversion_leaves_no_cache(monkeypatch, tmp_path):
 def test_failed_rebuild_keeps_the_previous_cache(monkeypatch, tmp_path):
     gguf = _fake_gguf(tmp_path)
     cache = tmp_path / "cache" / "smollm2"
-    monkeypatch.setattr(S, "_convert_gguf",
+    monkeypatch.setattr(S, "gguf_to_directory",
                         lambda gguf, target: (target / "model.safetensors").write_bytes(b"v1"))
     S._build_cache(gguf, cache, S._source_stamp(gguf), S._building_dir(cache))
 
     def convert(gguf, target):
         raise RuntimeError("interrupted")
-    monkeypatch.setattr(S, "_convert_gguf", convert)
+    monkeypatch.setattr(S, "gguf_to_directory", convert)
     with pytest.raises(RuntimeError, match="interrupted"):
         S._build_cache(gguf, cache, {"other": "stamp"}, S._building_dir(cache))
     assert (cache / "model.safetensors").read_bytes() == b"v1"

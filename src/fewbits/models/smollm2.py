@@ -99,7 +99,7 @@ class _progress_bars:
         (self._hf.enable_progress_bar if self._before else self._hf.disable_progress_bar)()
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
+def gguf_to_directory(gguf: Path, target: Path) -> None:
     """Dequantize the GGUF to fp32 and save it as a plain transformers checkpoint in `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,7 +133,7 @@ def _build_cache(gguf: Path, cache_dir: Path, stamp: dict, building: Path) -> Pa
     sees a half-written cache. Returns the cache directory."""
     stale = None
     try:
-        _convert_gguf(gguf, building)
+        gguf_to_directory(gguf, building)
         with open(building / _MARKER, "w", encoding="utf-8") as f:
             json.dump(stamp, f)  # written last: its presence means the rest is complete
         if cache_dir.exists():
@@ -203,7 +203,7 @@ def load_smollm2(cache_dir: str | os.PathLike | None = None, dtype: torch.dtype 
                               f"into a temporary directory instead (set FEWBITS_CACHE to a "
                               f"writable directory to keep it)", RuntimeWarning, stacklevel=2)
                 temporary = Path(tempfile.mkdtemp(prefix="fewbits-smollm2-"))
-                _convert_gguf(gguf, temporary)
+                gguf_to_directory(gguf, temporary)
                 cache = temporary
             else:
                 cache = _build_cache(gguf, cache, stamp, building)

@@ -63,10 +63,7 @@ def _embedding_subject(name, model, tokenizer, n_eval: int, n_calib: int, note=N
     sentences = pydoc_sentences(n_eval + n_calib, seed=0)
     eval_s, calib_s = sentences[:n_eval], sentences[n_eval:]
     reference = embed(model, tokenizer, eval_s)
-    calibration = []
-    for i in range(0, len(calib_s), 16):
-        enc = tokenizer(calib_s[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt")
-        calibration.append(dict(enc))
+    calibration = sentence_calibration(tokenizer, calib_s)
 
     def evaluate(m):
         t0 = time.perf_counter()
@@ -94,10 +91,7 @@ def _lm_subject(name, model, tokenizer, eval_tokens: int, calib_batches: int, se
     from ..models.text import pydoc_split
 
     split = pydoc_split()
-    ids = tokenizer(split.train[:200_000], return_tensors="pt")["input_ids"][0]
-    calibration = [{"input_ids": ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0), "use_cache": False}
-                   for i in range(calib_batches)
-                   if (i + 1) * seq_len <= ids.numel()]
+    calibration = causal_calibration(tokenizer, split.train, calib_batches, seq_len)
 
     def evaluate(m):
         t0 = time.perf_counter()
@@ -114,6 +108,91 @@ def _lm_subject(name, model, tokenizer, eval_tokens: int, calib_batches: int, se
 
     return Subject(name, model, "perplexity", evaluate, calibration, "tokens/s", skip=tuple(skip), note=note,
                    loss_fn=loss_fn)
+
+
+def causal_calibration(tokenizer, text: str, batches: int = 8, seq_len: int = 256) -> list[dict]:
+    """GPTQ calibration batches for a causal LM: consecutive windows of `seq_len` tokens of
+    `text` (its first 200,000 characters), without a KV cache."""
+    ids = tokenizer(text[:200_000], return_tensors="pt")["input_ids"][0]
+    return [{"input_ids": ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0), "use_cache": False}
+            for i in range(batches) if (i + 1) * seq_len <= ids.numel()]
+
+
+def sentence_calibration(tokenizer, sentences, batch_size: int = 16) -> list[dict]:
+    """GPTQ calibration batches for an encoder: the sentences, `batch_size` at a time, padded."""
+    return [dict(tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=128,
+                           return_tensors="pt"))
+            for i in range(0, len(sentences), batch_size)]
+
+
+def calibration_for_directory(source, text_file=None, batches: int = 8) -> list[dict]:
+    """Calibration batches for the HF model directory `source`, from its own tokenizer: windows
+    of 256 tokens for a causal LM, batches of 16 sentences (lines) otherwise; the text is the
+    file `text_file` or, by default, the training split of Python's pydoc topics."""
+    from transformers import AutoTokenizer
+
+    from ..models.text import pydoc_sentences, pydoc_split
+
+    source = Path(source)
+    arch = " ".join(json.loads((source / "config.json").read_text()).get("architectures") or [])
+    tokenizer = _load_part(source, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, local_files_only=True))
+    if text_file is not None:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--calibration {text_file}: cannot read it as UTF-8 text ({e})") from None
+        if not text.strip():
+            raise ValueError(f"--calibration {text_file}: the file holds no text")
+    if "CausalLM" in arch:
+        calibration = causal_calibration(tokenizer, text if text_file is not None else pydoc_split().train, batches)
+        if not calibration:
+            raise ValueError(f"--calibration {text_file}: too short, fewer than 256 tokens")
+        return calibration
+    lines = ([ln.strip() for ln in text.splitlines() if ln.strip()][:16 * batches] if text_file is not None
+             else pydoc_sentences(16 * batches, seed=1))
+    return sentence_calibration(tokenizer, lines)
+
+
+GGUF_BUDGET_CANDIDATES = ("q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
+GGUF_LEGACY_CANDIDATES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict:
+    """What `fewbits quantize --out` quantizes: {"rules", "embeddings", "tied"} for
+    fewbits.files.conversion.convert.
+
+    scheme: a preset for every Linear, or (GGUF) a llama.cpp mix such as q4_k_m, whose rules
+    name every tensor's type, the token embedding included. budget: bits per parameter; the
+    schemes are chosen per layer by measured sensitivity (among GGUF types for GGUF: the
+    k-quants when every row length is a multiple of 256, else the legacy blocks). For GGUF a
+    tied token embedding is quantized itself (llama.cpp reads the output head from it)."""
+    from transformers import AutoConfig
+
+    from ..files.gguf_file import MIXED_RECIPES, RECIPES, gguf_recipe
+
+    tied = "untie" if fmt == "gguf" else "keep"
+    if budget is not None:
+        if not 1 <= budget <= 32:
+            raise ValueError(f"--budget is in bits per parameter (1..32), got {budget}")
+        config = AutoConfig.from_pretrained(source)
+        if fmt == "gguf":
+            rows = {getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0)}
+            candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
+        else:
+            candidates = (scheme,) + BUDGET_CANDIDATES if scheme else BUDGET_CANDIDATES
+        subject = path_subject(source)
+        allocation = allocate_for_budget(subject, list(dict.fromkeys(candidates)), budget, progress=progress)
+        return {"rules": dict(allocation["choices"]), "embeddings": False, "tied": "keep"}
+    if scheme is None:
+        raise ValueError("give --scheme NAME (or --budget BITS) with --out")
+    name = scheme.lower()
+    if name in MIXED_RECIPES and fmt != "gguf":
+        raise ValueError(f"{scheme} is a llama.cpp mix of GGUF types: write it with --format gguf")
+    if fmt == "gguf" and name in RECIPES:  # llama.cpp's choice per tensor, its fallbacks included
+        return {"rules": gguf_recipe(name, AutoConfig.from_pretrained(source)), "embeddings": True, "tied": tied}
+    get_scheme(scheme)  # an unknown name fails here, with the close names
+    return {"rules": scheme, "embeddings": False, "tied": "keep"}
 
 
 def smollm2_subject(eval_tokens: int = 4096, calib_batches: int = 8, seq_len: int = 256) -> Subject:

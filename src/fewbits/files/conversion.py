@@ -1,0 +1,106 @@
+"""Converting a Hugging Face model directory into a deployable quantized model, in one of three
+formats, streamed from disk (fewbits.files.streaming):
+
+- "hf": a Hugging Face directory with a fewbits quantization_config (fb.from_pretrained, and
+  transformers' from_pretrained once fewbits is imported, load it);
+- "gguf": one GGUF file for llama.cpp (and transformers' gguf_file=): every planned scheme must
+  be a GGUF block type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k), checked before any work;
+- "fewbits": one fewbits safetensors file (fb.save; fb.load into a float skeleton reads it).
+
+The model is quantized into a temporary HF directory beside the output first when the format is
+not "hf"; the output itself appears only once complete (an interrupted run leaves nothing that
+looks finished), and an existing output is refused unless overwrite=True.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+from ..quant.scheme import get_scheme
+from .gguf_blocks import gguf_block_type
+from .streaming import ConversionSummary, quantize_pretrained, tokenizer_files
+
+__all__ = ["FORMATS", "convert"]
+
+FORMATS = ("hf", "gguf", "fewbits")
+
+
+def output_format(out, format: str | None = None) -> str:
+    """The format asked for, or the one the output's name implies: *.gguf -> gguf,
+    *.safetensors -> fewbits, anything else -> hf (a directory)."""
+    if format is not None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        return format
+    name = os.fspath(out).lower()
+    if name.endswith(".gguf"):
+        return "gguf"
+    if name.endswith(".safetensors"):
+        return "fewbits"
+    return "hf"
+
+
+def check_gguf_plan(plan) -> None:
+    """Every planned scheme has a GGUF block type; otherwise a ValueError naming the layers and
+    the GGUF schemes."""
+    bad = {}
+    for name, scheme in plan.items():
+        try:
+            gguf_block_type(scheme)
+        except ValueError as e:
+            bad.setdefault(get_scheme(scheme).label, (name, str(e)))
+    if bad:
+        label, (name, why) = next(iter(bad.items()))
+        raise ValueError(f"--format gguf: {why} (layer {name!r})")
+
+
+def _size_on_disk(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def convert(source, out, scheme_or_rules, *, format: str | None = None, method: str = "rtn", calibration=None,
+            skip=(), embeddings: bool = False, tied: str = "keep", overwrite: bool = False,
+            progress: bool | Callable | None = None, **options) -> ConversionSummary:
+    """Quantize the HF model directory `source` with `scheme_or_rules` (as fb.quantize_model)
+    and write it to `out` in `format` (see the module docstring; default from out's name).
+    Returns the ConversionSummary, whose `bytes` is the size of the output on disk."""
+    from .hf_dir import read_tensors
+
+    fmt = output_format(out, format)
+    out = os.fspath(out)
+    if os.path.lexists(out) and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    check = check_gguf_plan if fmt == "gguf" else None
+    if fmt == "hf":
+        summary = quantize_pretrained(source, out, scheme_or_rules, method=method, calibration=calibration,
+                                      skip=skip, embeddings=embeddings, tied=tied, overwrite=overwrite,
+                                      progress=progress, check_plan=check, **options)
+        summary.bytes = _size_on_disk(out)
+        return summary
+    parent = os.path.dirname(os.path.abspath(out))
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.fewbits-convert-", dir=parent)
+    try:
+        staged = os.path.join(work, "model")
+        summary = quantize_pretrained(source, staged, scheme_or_rules, method=method, calibration=calibration,
+                                      skip=skip, embeddings=embeddings, tied=tied, progress=progress,
+                                      check_plan=check, **options)
+        if fmt == "gguf":
+            from transformers import AutoConfig
+
+            from .gguf_file import write_gguf
+            write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
+                       tokenizer=tokenizer_files(staged), overwrite=overwrite)
+        else:
+            from .hf_quantizer import from_pretrained
+            from .safetensors_format import save
+            save(from_pretrained(staged), out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary.bytes = _size_on_disk(out)
+    summary.out = out
+    return summary
+

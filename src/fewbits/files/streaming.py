@@ -1,0 +1,396 @@
+"""Quantizing a Hugging Face model directory from disk, for models larger than memory.
+
+`quantize_pretrained(source, out, rules, method=...)` never builds the float model. It builds the
+architecture on the meta device (no memory), reads the source's safetensors shards tensor by
+tensor (memory-mapped), and writes the quantized model as an HF directory whose shards are
+written as they fill (fewbits.files.hf_dir.ShardWriter):
+
+- "rtn": each tensor is read, quantized if the plan says so, and handed to the writer; nothing
+  else is held. Peak memory: the largest tensor in float32 and its quantized form, plus one
+  output shard.
+- "gptq": the tensors outside the repeated blocks (embeddings, final norm, an untied head) are
+  loaded in the working dtype; the calibration inputs of the first block are captured; then
+  each block is loaded, its layers quantized group by group with the GPTQ of
+  fewbits.quant.gptq (the same functions and order as gptq_quantize_model's block-by-block
+  path, so the result equals in-memory quantization bit for bit), the block's output computed
+  with its quantized weights as the next block's input, its tensors written and the block
+  unloaded again. Peak memory: the non-block tensors + one block, both in the working dtype
+  (float32), + the calibration activations (two [tokens, hidden] float32 tensors per batch) +
+  GPTQ's work on the widest layer (its Hessian [in, in] in float64) + one output shard. Planned
+  layers after the blocks (an untied lm_head, BERT's pooler) get their Hessians from a pass in
+  which every block replays its recorded output.
+
+The plan (which module gets which scheme) is resolved on the meta-device model with the same
+rules as quantize_model (fewbits.quant.plan.resolve_plan).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import resource
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..progress import counter
+from ..quant.gptq import (
+    _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block, capture_block_inputs,
+)
+from ..quant.plan import calibration_batches, resolve_plan
+from ..quant.tensor import QuantizedTensor, quantize
+from .safetensors_format import FileFormatError
+
+__all__ = ["ConversionSummary", "model_skeleton", "quantize_pretrained"]
+
+METHODS = ("rtn", "gptq")
+
+
+@dataclasses.dataclass
+class ConversionSummary:
+    """What quantize_pretrained did: layers quantized, parameters, bytes written, bits per
+    parameter (every stored byte over every parameter), seconds, peak resident memory."""
+    layers: int
+    parameters: int
+    bytes: int
+    bits_per_param: float
+    seconds: float
+    peak_rss_bytes: int
+    out: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_class(config):
+    """The transformers class named first in config.architectures (LlamaForCausalLM, BertModel,
+    ...), or AutoModel when there is none."""
+    import transformers
+
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if names:
+        raise ValueError(f"config.json names the architecture {names[0]!r}, which this transformers "
+                         f"({transformers.__version__}) does not know")
+    return transformers.AutoModel
+
+
+def model_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `config` with every parameter on the meta device (no memory) and its buffers
+    (rotary frequencies, position ids) computed for real, in eval mode."""
+    from accelerate import init_empty_weights
+
+    cls = model_class(config)
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=dtype)
+    model.tie_weights()  # as from_pretrained does: a tied head is the embedding's very Parameter
+    return model.eval()
+
+
+def _read_config(source: str):
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise FileFormatError(source, "no config.json: not a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (ValueError, OSError, KeyError) as e:
+        raise FileFormatError(os.path.join(source, "config.json"), f"not a usable model configuration: {e}") from None
+
+
+def _owner_of(name: str, plan: Mapping) -> str | None:
+    module = name.rsplit(".", 1)[0] if "." in name else ""
+    return module if name.endswith(".weight") and module in plan else None
+
+
+def _parameters_to_load(model: nn.Module, source: Mapping, plan: Mapping) -> dict[str, str]:
+    """{state-dict name in the model: name in the source} for every tensor the model saves.
+    A model tensor missing from the source is an error naming it. A tied tensor (lm_head.weight
+    of tied embeddings) is read from the tensor it is tied to when the plan quantizes it on its
+    own (tied="untie"), and is left out otherwise, as save_pretrained leaves it out."""
+    names = {}
+    missing = []
+    aliases = _tied_aliases(model)
+    for name in model.state_dict():
+        if name in source:
+            names[name] = name
+        elif name in aliases:
+            if _owner_of(name, plan) is not None and aliases[name] in source:
+                names[name] = aliases[name]
+        else:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise FileFormatError(getattr(source, "path", "source"), f"the weights lack {len(missing)} tensor(s) of the "
+                              f"model: {shown}")
+    return names
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{state-dict name: the earlier name whose very tensor it is} (a tied lm_head.weight ->
+    model.embed_tokens.weight)."""
+    seen, aliases = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases[name] = seen[id(t)]
+        else:
+            seen[id(t)] = name
+    return aliases
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put `value` in place of the parameter or buffer `name` (on the meta device or not)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise KeyError(name)
+
+
+def _load(model: nn.Module, names, source: Mapping, dtype: torch.dtype) -> None:
+    for name in names:
+        t = source[name]
+        _set_tensor(model, name, t.to(dtype) if t.is_floating_point() else t)
+
+
+def _unload(model: nn.Module, names) -> None:
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if leaf in module._parameters and module._parameters[leaf] is not None:
+            p = module._parameters[leaf]
+            module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+
+
+class _Replay(nn.Module):
+    """Stands in for a block: returns the last block's recorded output for each batch in turn
+    (`batch` is shared by all the replays; the first advances it), in the form the block
+    returned it (a tensor or a tuple)."""
+
+    def __init__(self, outputs: list, as_tuple: bool, batch: dict, first: bool):
+        super().__init__()
+        self.outputs, self.as_tuple, self.batch, self.first = outputs, as_tuple, batch, first
+
+    def forward(self, *args, **kwargs):
+        if self.first:
+            self.batch["index"] += 1
+        out = self.outputs[self.batch["index"]]
+        return (out,) if self.as_tuple else out
+
+
+def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", calibration=None, skip=(),
+                        embeddings: bool = False, tied: str = "keep", dtype: torch.dtype | None = None,
+                        tokenizer=None, max_shard_bytes: int | None = None, overwrite: bool = False,
+                        progress: bool | Callable | None = None, check_plan: Callable | None = None,
+                        **gptq_options) -> ConversionSummary:
+    """Quantize the Hugging Face model directory `source` into the directory `out` (an HF
+    directory with a fewbits quantization_config: fb.from_pretrained and transformers load it),
+    reading and writing tensor by tensor (see the module docstring for the memory bound).
+
+    scheme_or_rules, skip, embeddings, tied: as fewbits.quantize_model. method: "rtn" or "gptq"
+    (calibration: model inputs as for quantize_model, e.g. dicts of input_ids). dtype: the dtype
+    of the float tensors written and of the quantized tensors' dequantized values (default: the
+    source's own, config.dtype); GPTQ computes in float32 either way. tokenizer: a tokenizer or
+    directory saved beside the model (default: the source's tokenizer files, if any).
+    check_plan: called with the plan {module name: scheme} before any work (to refuse schemes
+    an output format cannot hold). Returns a ConversionSummary.
+    """
+    from .hf_dir import ShardWriter, read_tensors
+
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "rtn" and gptq_options:
+        raise TypeError(f"unexpected options for rtn: {', '.join(gptq_options)}")
+    source = os.fspath(source)
+    config = _read_config(source)
+    tensors = read_tensors(source)
+    out_dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(out_dtype, str):
+        out_dtype = getattr(torch, out_dtype)
+    model = model_skeleton(copy.deepcopy(config), torch.float32)  # (building a model sets its config's dtype)
+    plan = resolve_plan(model, scheme_or_rules, skip, embeddings, tied=tied)
+    if not plan:
+        raise ValueError("no layer matched: nothing to quantize (check the rules and skip patterns)")
+    if check_plan is not None:
+        check_plan(plan)
+    names = _parameters_to_load(model, tensors, plan)
+    batches = calibration_batches(calibration) if method == "gptq" else None
+    report = counter(progress, len(plan), method)
+    writer = ShardWriter(out, overwrite=overwrite, **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}))
+    written = {"params": 0, "bytes": 0}
+
+    def emit(name: str, value) -> None:
+        if isinstance(value, QuantizedTensor):
+            written["params"] += value.numel
+            written["bytes"] += value.nbytes
+        else:
+            written["params"] += value.numel()
+            written["bytes"] += value.numel() * value.element_size()
+        writer.add(name, value)
+
+    try:
+        if method == "rtn":
+            _stream_rtn(tensors, names, plan, out_dtype, emit, report)
+        else:
+            _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, gptq_options)
+        writer.finish(_output_config(config, model, names, plan),
+                      tokenizer=tokenizer if tokenizer is not None else tokenizer_files(source))
+    except BaseException:
+        writer.abort()
+        raise
+    return ConversionSummary(layers=len(plan), parameters=written["params"], bytes=written["bytes"],
+                             bits_per_param=written["bytes"] * 8 / max(written["params"], 1),
+                             seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
+                             out=os.fspath(out))
+
+
+def _output_config(config, model: nn.Module, names: Mapping, plan: Mapping):
+    """The config written with the output: the source's, untied where the plan quantizes a tied
+    weight on its own (tied="untie"), since the output then holds it twice."""
+    untied = [n for n in _tied_aliases(model) if n in names and _owner_of(n, plan) is not None]
+    if untied and getattr(config, "tie_word_embeddings", False):
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
+    return config
+
+
+def tokenizer_files(source: str):
+    """The source directory itself when it holds tokenizer files, else None."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model"):
+        if os.path.isfile(os.path.join(source, f)):
+            return source
+    return None
+
+
+def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
+    done = 0
+    for name, key in names.items():
+        owner = _owner_of(name, plan)
+        t = tensors[key]
+        if owner is None:
+            emit(name, t.to(out_dtype) if t.is_floating_point() else t)
+            continue
+        with torch.no_grad():
+            qt = quantize(t.to(torch.float32), plan[owner])
+        emit(name, _with_dtype(qt, out_dtype))
+        done += 1
+        report(done, owner)
+
+
+def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
+    """The same codes and scales, dequantizing to `dtype` by default."""
+    return QuantizedTensor.from_state_dict(qt.scheme, qt.shape, dtype, qt.state_dict())
+
+
+def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:
+    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)]
+    found = _find_blocks(model, linear)
+    if found is None:
+        raise ValueError("streamed GPTQ needs a model made of repeated blocks (an nn.ModuleList of "
+                         "decoder or encoder layers); quantize this one in memory with fewbits.quantize_model")
+    prefix, blocks = found
+    head = prefix + "."
+
+    def block_of(name):
+        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
+
+    in_block = [[] for _ in blocks]
+    outside = []
+    for name in names:
+        b = block_of(name)
+        (outside if b is None else in_block[b]).append(name)
+    _load(model, outside, tensors, torch.float32)
+    options = {k: v for k, v in options.items() if k in ("block_size", "damp", "act_order", "static_groups")}
+    full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None, **options}
+    modules = {n: model.get_submodule(n) for n in linear}
+    run = _SequentialGPTQ(model, plan, batches, modules, full, report)
+    done_names = set()
+    # planned layers outside the blocks, before them, cannot be streamed (nothing in the usual
+    # layouts: an embedding is rounded to nearest, as in memory)
+    for name in plan:
+        if name not in modules:
+            with torch.no_grad():
+                run.results[name] = quantize(run.weight_of(name), plan[name])
+            run.swap_in(name)
+            run.done += 1
+            report(run.done, name)
+    cached = capture_block_inputs(model, blocks[0], batches)
+    as_tuple = False
+    for i, block in enumerate(blocks):
+        _load(model, in_block[i], tensors, torch.float32)
+        block_linear = {n: modules[n] for n in linear if block_of(n) == i}
+        if block_linear:
+            wrapper = _OneBlock(block)
+            discovery = _Discovery(wrapper, tuple(cached[0]), block_linear, None)
+            run.one_block(block, discovery.groups, discovery.calls, cached)
+        if i == len(blocks) - 1:
+            with torch.no_grad():
+                as_tuple = not isinstance(block(cached[0][0], *cached[0][1], **cached[0][2]), torch.Tensor)
+        advance_block(block, cached)
+        for name in in_block[i]:
+            owner = _owner_of(name, plan)
+            if owner is not None:
+                emit(name, _with_dtype(run.results.pop(owner), out_dtype))
+                done_names.add(owner)
+            else:
+                t = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+                emit(name, t.detach().to(out_dtype) if t.is_floating_point() else t.detach())
+        for p in block.parameters():
+            run.originals.pop(id(p), None)
+        _unload(model, in_block[i])
+    post = [n for n in linear if block_of(n) is None]
+    if post:
+        outputs = [entry[0] for entry in cached]
+        batch = {"index": -1}
+        for j in range(len(blocks)):
+            blocks[j] = _Replay(outputs, as_tuple, batch, first=(j == 0))
+        groups = _Discovery(model, batches[0], {n: modules[n] for n in post}, None).groups
+        for group in groups:
+            batch["index"] = -1
+            hessians = _passes(model, batches, {n: modules[n] for n in group}, stop_early=False)
+            for name in group:
+                run.finish(name, hessians.pop(name), swap=True)
+    for name in outside:
+        owner = _owner_of(name, plan)
+        if owner is not None:
+            emit(name, _with_dtype(run.results.pop(owner), out_dtype))
+        else:
+            t = run.originals.get(id(_tensor(model, name)), (None, _tensor(model, name)))[1]
+            emit(name, t.detach().to(out_dtype) if t.is_floating_point() else t.detach())
+    run.restore()
+
+
+def _tensor(model, name):
+    return model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return leaf in module._parameters
+
+
+class _OneBlock(nn.Module):
+    """Runs one block on a cached input [hidden, other args, kwargs] (for discovering the order
+    and grouping of its layers, as _Discovery does on a whole model)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden, rest, kwargs):
+        return _hidden_of(self.block(hidden, *rest, **kwargs))
