@@ -4,7 +4,6 @@ shapes, types and values (bit for bit), transformers' GGUF loader for the llama 
 its tokenizer - not with fewbits."""
 from __future__ import annotations
 
-import gc
 import os
 import weakref
 from collections.abc import Mapping
@@ -38,6 +37,8 @@ def _have_k_quants() -> bool:
 needs_k = pytest.mark.skipif(not _have_k_quants(), reason="the k-quant schemes q4_k/q5_k/q6_k and their GGUF "
                              "blocks (engineer A, fewbits.quant.scheme / files.gguf_blocks) are not in this tree yet")
 ALL_SCHEMES = LEGACY + [pytest.param(s, marks=needs_k) for s in K_QUANTS]
+# quantizing whole models in the k-quants takes long (their scale search): those runs are slow ones
+ALL_SCHEMES_SLOW_K = LEGACY + [pytest.param(s, marks=[needs_k, pytest.mark.slow]) for s in K_QUANTS]
 
 TEXT = ("The quick brown fox jumps over 13 lazy dogs; 2024 was a year. def f(x): return x ** 2  # ok\n"
         "Ünïcödé text, emojis 😀 and numbers 3.14159 and <|im_start|>user\nhello<|im_end|>\n")
@@ -212,7 +213,7 @@ def llama_metadata(cfg, file_type):
     }
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+@pytest.mark.parametrize("scheme", ALL_SCHEMES_SLOW_K)
 def test_llama_reader_sees_every_key_tensor_and_value(tmp_path, scheme):
     k = scheme in K_QUANTS
     cfg = llama_config(hidden=256 if k else 64, inter=512 if k else 128)
@@ -237,6 +238,21 @@ def test_llama_reader_sees_every_key_tensor_and_value(tmp_path, scheme):
                  for n, v in tensors.items() if n != "lm_head.weight")
     assert summary.parameters == params
     assert summary.bits_per_parameter == pytest.approx(summary.tensor_bytes * 8 / params)
+
+
+@needs_k
+@pytest.mark.parametrize("scheme", K_QUANTS)
+def test_k_quants_written_bit_exact(tmp_path, scheme):
+    """k_proj (permuted rows of 256-value super-blocks) and down_proj in a k-quant, the rest Q8_0."""
+    cfg = llama_config(hidden=256, inter=256, layers=1)
+    tensors = llama_tensors(cfg, "q8_0")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        tensors[name] = fb.quantize(tensors[name].dequantize(), scheme)
+    path = tmp_path / "k.gguf"
+    summary = write_gguf(path, tensors, cfg)
+    check_tensors(path, tensors, cfg, "llama")
+    assert summary.types[scheme.upper()] == 2
+    assert fields(path)[1]["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
 def test_llama_untied_writes_output_and_float_dtypes(tmp_path):
@@ -314,6 +330,20 @@ def test_transformers_loads_llama_logits_and_tokenizer_equal(tmp_path, pre):
         assert gtok(text)["input_ids"] == tok(text)["input_ids"], text
 
 
+def test_attention_biases_permuted_like_their_rows(tmp_path):
+    cfg = llama_config(attention_bias=True)
+    tensors = llama_tensors(cfg, "q4_0")
+    assert "model.layers.0.self_attn.q_proj.bias" in tensors
+    path = tmp_path / "b.gguf"
+    write_gguf(path, tensors, cfg)
+    check_tensors(path, tensors, cfg, "llama")  # attn_q.bias / attn_k.bias in llama.cpp's row order
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="b.gguf").eval()
+    ref = reference_llama(transformers.LlamaForCausalLM, cfg, tensors)
+    ids = torch.arange(30).reshape(1, 30)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+
+
 def test_llama_tokenizer_metadata(tmp_path):
     cfg = llama_config()
     tok = bpe_tokenizer("gpt-2")
@@ -348,7 +378,6 @@ def test_reads_each_tensor_at_most_twice_and_keeps_none(tmp_path):
             self.reads, self.alive = {}, []
 
         def __getitem__(self, key):
-            gc.collect()
             alive = [r for r in self.alive if r() is not None]
             assert not alive, f"{len(alive)} earlier tensors still referenced when reading {key}"
             self.reads[key] = self.reads.get(key, 0) + 1
@@ -502,6 +531,7 @@ def test_recipe_bert_minilm():
         ["q5_0"] * 2 + ["q8_0"]  # Q6_K falls back to Q8_0 on rows of 384, Q4_K to Q5_0
 
 
+@pytest.mark.slow
 @needs_k
 def test_recipe_quantized_and_written(tmp_path):
     """A recipe's schemes, applied with fb.quantize, give a file with exactly the recipe's types."""
