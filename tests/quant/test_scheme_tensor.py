@@ -132,13 +132,17 @@ def test_dequantize_is_codes_times_scales():
 @pytest.mark.parametrize("name", [n for n in list_schemes() if n not in ("bf16", "fp16")])
 def test_requantizing_the_dequantized_values_is_stable(name):
     """Values already on the grid come back to themselves: exactly where the scale is a power of
-    two (MX) or the absmax itself (NF4); within float32 rounding of the scale elsewhere."""
+    two (MX) or the absmax itself (NF4); within float32 rounding of the scale elsewhere. The
+    k-quants' scale search (q4_k, q5_k) tries scales near the group's range only, so on-grid
+    values that do not span the grid may get another nearby grid: close, not equal."""
     torch.manual_seed(2)
     x = torch.randn(16, 96)
     d = quantize(x, name).dequantize()
     d2 = quantize(d, name).dequantize()
     if name.startswith("mx") or name == "nf4":
         assert torch.equal(d2, d)
+    elif get_scheme(name).super_block is not None:
+        assert float((d2 - d).square().mean()) < 0.01 * float((d - x).square().mean())
     else:
         assert torch.allclose(d2, d, rtol=1e-5, atol=1e-7)
 
