@@ -17,7 +17,8 @@ TOP_ALL = [
     "Format", "FloatFormat", "IntFormat", "LookupFormat", "MODES", "OVERFLOW_POLICIES", "get_format",
     "list_formats", "explain", "round", "encode", "decode", "pack", "unpack", "use_backend", "QuantScheme",
     "QuantizedTensor", "get_scheme", "list_schemes", "quantize", "quantize_model", "model_nbytes", "save",
-    "load", "QuantLinear", "QuantEmbedding", "prepare_qat", "convert_qat", "layer_sensitivity",
+    "load", "from_pretrained", "save_pretrained", "QuantLinear", "QuantEmbedding", "prepare_qat", "convert_qat",
+    "layer_sensitivity",
     "allocate_bits", "apply_allocation", "Policy", "Engine", "LossScaler", "estimate_memory",
 ]
 # besides __all__ (numpy, which the root imports first for torch's sake, is not a fewbits name)
@@ -37,7 +38,7 @@ ROOM_ALL = {
         "pow2_scale", "scaled_round", "PackedState", "StateStore", "pack_state", "save_checkpoint",
         "load_checkpoint", "read_checkpoint", "CheckpointError",
     ],
-    "files": ["save", "load", "FileFormatError"],
+    "files": ["save", "load", "FileFormatError", "from_pretrained", "save_pretrained"],
     "memory": [
         "estimate_memory", "MemoryEstimate", "describe_model", "ModelSpec", "Tensors", "Architecture",
         "architecture_from_config", "load_config", "parse_parameter_count", "resolve_precision", "Precision",

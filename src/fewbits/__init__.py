@@ -15,7 +15,7 @@ from .quant import (
 )
 from .train import Engine, LossScaler, Policy
 from .memory import estimate_memory
-from .files import load, save
+from .files import from_pretrained, load, save, save_pretrained
 
 __all__ = [
     # formats and kernels
@@ -23,7 +23,8 @@ __all__ = [
     "get_format", "list_formats", "explain", "round", "encode", "decode", "pack", "unpack", "use_backend",
     # quantization
     "QuantScheme", "QuantizedTensor", "get_scheme", "list_schemes", "quantize", "quantize_model",
-    "model_nbytes", "save", "load", "QuantLinear", "QuantEmbedding", "prepare_qat", "convert_qat",
+    "model_nbytes", "save", "load", "from_pretrained", "save_pretrained", "QuantLinear", "QuantEmbedding",
+    "prepare_qat", "convert_qat",
     "layer_sensitivity", "allocate_bits", "apply_allocation",
     # training, memory
     "Policy", "Engine", "LossScaler", "estimate_memory",

@@ -29,9 +29,9 @@ reading tensor data -- the index, the shard headers, the quantization_config, ev
 tensor's entries, shapes and dtypes -- is checked when it is built; codes outside their format
 when a value is read. Every problem is a FileFormatError naming the file.
 
-Loading a model: from_pretrained(dir) (fb.from_pretrained) and transformers'
-AutoModel*.from_pretrained(dir) once fewbits is imported (fewbits.files.hf_quantizer, a
-registered transformers quantizer).
+Loading a model: fewbits.files.hf_quantizer.from_pretrained(dir) (fb.from_pretrained) and
+transformers' AutoModel*.from_pretrained(dir) once fewbits is imported (the same path: a
+registered transformers quantizer, fewbits.files.hf_quantizer).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ from torch import nn
 
 from .._version import __version__
 from ..atomic import DirectoryReplacement
-from ..quant.plan import is_quantized
+from ..quant.modules import QuantEmbedding, QuantLinear
+from ..quant.plan import is_quantized, set_submodule
 from ..quant.scheme import QuantScheme
 from ..quant.tensor import QuantizedTensor, codes_outside_format, expected_keys, state_shapes
 from .safetensors_format import _FLOAT_DTYPES, FileFormatError, _dtype_name, _listing, _scheme_problem, _short
@@ -401,7 +402,9 @@ def save_pretrained(model: nn.Module, out_dir, tokenizer=None, *, max_shard_byte
         can_generate = getattr(model, "can_generate", lambda: False)()
         if generation is not None and can_generate and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(writer.tmp_dir)
-        return writer.finish(config, tokenizer)
+        cfg = _config_dict(config)
+        cfg["architectures"] = [type(model).__name__]  # as transformers' save_pretrained records it
+        return writer.finish(cfg, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,6 +600,49 @@ class HFTensors(Mapping):
         self._handles.clear()
 
 
+def empty_quantized_modules(model: nn.Module, plan: dict, where="quantization_config") -> nn.Module:
+    """Replace each module of `plan` ({name: (scheme, shape, dtype)}, parse_quantization_config's
+    result) by an empty QuantLinear / QuantEmbedding on the meta device, for load_state_dict or
+    transformers' loader to fill. Everything is checked first (the module exists, is an
+    nn.Linear or nn.Embedding with that weight shape, its weight is not tied to another one):
+    a FileFormatError naming `where` lists every problem, and the model is left as it was."""
+    tied = set()
+    for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        tied.update((k, v))
+    problems, new = [], {}
+    for name, (scheme, shape, dtype) in plan.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            problems.append(f"the model has no module {name!r}")
+            continue
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            problems.append(f"{name!r} is a {type(module).__name__}, not an nn.Linear or nn.Embedding")
+            continue
+        if tuple(module.weight.shape) != tuple(shape):
+            problems.append(f"{name!r}: weight shape {list(module.weight.shape)} in the model, {list(shape)} quantized")
+            continue
+        if f"{name}.weight" in tied:
+            problems.append(f"{name!r}: its weight is tied to another one in this model, which a quantized "
+                            "layer cannot share")
+            continue
+        if isinstance(module, nn.Linear):
+            bias = module.bias
+            new[name] = QuantLinear.empty(scheme, shape, dtype, bias=bias is not None,
+                                          bias_dtype=bias.dtype if bias is not None else None)
+        else:
+            if module.max_norm is not None:
+                problems.append(f"{name!r}: an embedding with max_norm cannot be quantized")
+                continue
+            new[name] = QuantEmbedding.empty(scheme, shape, dtype, module.padding_idx)
+    if problems:
+        raise FileFormatError(where, f"does not match the model ({len(problems)} problem"
+                              f"{'s' if len(problems) > 1 else ''}): {'; '.join(problems[:8])}")
+    for name, m in new.items():
+        set_submodule(model, name, m)
+    return model
+
+
 def read_tensors(directory) -> HFTensors:
     """A lazy Mapping over a Hugging Face directory's tensors (see the module docstring): float
     tensors under their names, fewbits-quantized weights as QuantizedTensors under "m.weight".
@@ -607,5 +653,4 @@ def read_tensors(directory) -> HFTensors:
     return HFTensors(directory)
 
 
-__all__ = ["ShardWriter", "read_tensors", "save_pretrained", "model_tensors", "quantization_config",
-           "parse_quantization_config", "HFTensors", "QUANT_METHOD", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = ["ShardWriter", "read_tensors", "save_pretrained"]

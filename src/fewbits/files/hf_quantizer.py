@@ -1,0 +1,132 @@
+"""fewbits as a transformers quantization method: `transformers.AutoModel*.from_pretrained(dir)`
+loads a fewbits Hugging Face directory (fewbits.files.hf_dir) once fewbits is imported.
+
+It goes through transformers' own extension point for third-party methods
+(transformers.quantizers.register_quantization_config / register_quantizer): FewbitsConfig reads
+config.json's quantization_config (validated by hf_dir.parse_quantization_config), and
+FewbitsHfQuantizer, on the model transformers builds on the meta device, first checks the
+directory (hf_dir.read_tensors: index, shard headers, every quantized entry's shape and dtype),
+then swaps each listed Linear / Embedding for an empty quantized module (hf_dir.
+empty_quantized_modules). transformers then reads the shards (memory-mapped) and hands each
+module's `m.qweight.<key>` tensors, gathered by one WeightConverter, to FewbitsDeserialize, which
+loads them into the module (QuantLinear.load_state_dict with assign=True: validated, codes
+checked, kernel chosen). No float weight of a quantized layer exists at any point.
+`model.save_pretrained(dir)` of such a model writes the same layout back (model.state_dict()
+holds the quantized entries; the converter's reverse is the identity).
+
+Registration is lazy (install()): importing transformers costs seconds, more than all of
+fewbits, so `import fewbits` does not import it. If transformers.quantizers.auto is already
+imported, fewbits registers at once; otherwise an import hook registers right after that module
+is first imported (which every from_pretrained does).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from .hf_dir import CONFIG_NAME, QUANT_METHOD, read_tensors
+from .safetensors_format import FileFormatError
+
+_TARGET = "transformers.quantizers.auto"
+_registered = False
+
+
+def install() -> None:
+    """Register with transformers now if its quantizers are imported, else when they are."""
+    if _TARGET in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegisterHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterHook())
+
+
+class _RegisterHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for transformers.quantizers.auto it returns the normal spec with a
+    loader that registers fewbits once the module has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterHook)]
+        sys.modules[module.__name__] = module
+        try:
+            register()
+        except Exception as e:  # never break transformers' own import
+            warnings.warn(f"fewbits could not register its transformers quantizer: {e}", stacklevel=2)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def register() -> None:
+    """Register FewbitsConfig and FewbitsHfQuantizer under quant_method "fewbits" (once)."""
+    global _registered
+    if _registered:
+        return
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer,
+    )
+    from . import _hf_quantizer_impl as impl
+
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(impl.FewbitsConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(impl.FewbitsHfQuantizer)
+    _registered = True
+
+
+def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
+    """A quantized model straight from a fewbits Hugging Face directory, fp32 weights of the
+    quantized layers never materialized.
+
+    The directory is checked first (read_tensors: nothing is loaded from a bad one). The model
+    is then built by transformers from config.json -- the class its `architectures` names,
+    else AutoModelForCausalLM for a *ForCausalLM and AutoModel otherwise -- through fewbits'
+    registered quantizer (fewbits.files.hf_quantizer): transformers builds it on the meta
+    device, the quantizer swaps in empty quantized modules, and the tensors go from the
+    memory-mapped shards into them. One loading path, the same as
+    transformers.AutoModel*.from_pretrained(dir). device: where the model goes ("cpu", "cuda",
+    ...); dtype: the float parameters' dtype (default: config.json's)."""
+    tensors = read_tensors(directory)
+    config = tensors.config
+    if config is None:
+        raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME), "no config.json: transformers "
+                              "needs it to build the model")
+    tensors.close()
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("from_pretrained() builds the model with transformers: pip install transformers") from None
+    register()
+    archs = config.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
+    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
+        causal = any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
+        cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    device_map = {"": str(torch.device(device))}
+    return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
+                               device_map=device_map).eval()
+
+
+__all__ = ["from_pretrained"]
