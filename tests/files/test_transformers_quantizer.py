@@ -124,6 +124,13 @@ def test_import_fewbits_does_not_import_transformers_and_registers_when_it_is():
         print('fewbits' in auto.AUTO_QUANTIZER_MAPPING)
     """)
     assert out.split() == ["True"]
+    # the classes' module imported first (as a test importing every module does)
+    out = _run("""
+        import fewbits.files._hf_quantizer_impl
+        import transformers.quantizers.auto as auto
+        print('fewbits' in auto.AUTO_QUANTIZER_MAPPING)
+    """)
+    assert out.split() == ["True"]
 
 
 @pytest.mark.slow

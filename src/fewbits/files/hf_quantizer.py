@@ -21,6 +21,7 @@ is first imported (which every from_pretrained does).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -30,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-from .hf_dir import CONFIG_NAME, QUANT_METHOD, read_tensors
+from .hf_dir import CONFIG_NAME, read_tensors
 from .safetensors_format import FileFormatError
 
 _TARGET = "transformers.quantizers.auto"
@@ -80,20 +81,13 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 
 def register() -> None:
-    """Register FewbitsConfig and FewbitsHfQuantizer under quant_method "fewbits" (once)."""
+    """Register FewbitsConfig and FewbitsHfQuantizer under quant_method "fewbits" (once): the
+    module defining them registers them when it is imported (so importing it directly, before
+    transformers' quantizers, registers too)."""
     global _registered
-    if _registered:
-        return
-    from transformers.quantizers.auto import (
-        AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer,
-    )
-    from . import _hf_quantizer_impl as impl
-
-    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(QUANT_METHOD)(impl.FewbitsConfig)
-    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(QUANT_METHOD)(impl.FewbitsHfQuantizer)
-    _registered = True
+    if not _registered:
+        importlib.import_module(f"{__package__}._hf_quantizer_impl")
+        _registered = True
 
 
 def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
