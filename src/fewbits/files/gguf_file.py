@@ -62,8 +62,8 @@ Deliberate differences from llama.cpp's convert_hf_to_gguf.py:
   without it, inferred from the tensors: the GGUF type of the most 2-D weights (Q4_K/Q5_K count
   as Q4_K_M/Q5_K_M when Q6_K tensors are present, else as the _S mixes). llama.cpp writes the
   file type it was asked for; the value is informative for llama.cpp.
-- The k-quant tokenizer metadata, general.* descriptions (license, tags, ...) and the sampling
-  keys are not written: a config does not hold them.
+- general.* descriptions (license, tags, base models, ...) and the sampling keys are not written:
+  a config does not hold them; general.name is the basename of the config's name_or_path.
 
 gguf_recipe(name, config) -> {module name: scheme name or None}: which GGUF type each Linear and
 the token embedding gets, llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) rules:
