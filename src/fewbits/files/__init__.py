@@ -3,9 +3,12 @@ nothing below imports it."""
 from .safetensors_format import FileFormatError, load, save
 from .gguf_file import gguf_recipe, write_gguf
 from .hf_dir import ShardWriter, read_tensors, save_pretrained
+from .streaming import ConversionSummary, model_skeleton, quantize_pretrained
+from .conversion import FORMATS, convert
 from .hf_quantizer import from_pretrained, install as _install_transformers_quantizer
 
 _install_transformers_quantizer()  # lazily: registers when transformers' quantizers are imported
 
 __all__ = ["save", "load", "FileFormatError", "write_gguf", "gguf_recipe", "from_pretrained", "save_pretrained",
-           "ShardWriter", "read_tensors"]
+           "ShardWriter", "read_tensors", "quantize_pretrained", "model_skeleton", "ConversionSummary", "convert",
+           "FORMATS"]
