@@ -127,3 +127,14 @@ def test_existing_output_needs_overwrite_and_a_broken_source_is_named(tiny, tmp_
     rc, _, err = run(["quantize", str(tmp_path / "nowhere"), "--scheme", "int8", "--out", str(tmp_path / "x"),
                       "--quiet"])
     assert rc == 2 and "unknown model" in err
+
+
+@pytest.mark.slow  # the per-layer sensitivity measurement: ~40 s here
+def test_a_budget_chooses_gguf_types_per_tensor(tiny, tmp_path):
+    path = tmp_path / "m.gguf"
+    rc, out, err = run(["quantize", str(tiny), "--budget", "6", "--out", str(path), "--quiet", "--json"])
+    assert rc == 0, err
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.")}
+    quantized = {v for k, v in types.items() if k.endswith("_proj.weight") or ".attn_" in k or ".ffn_" in k}
+    assert quantized <= {"Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "F32"} and len(quantized - {"F32"}) >= 1
+    assert json.loads(out)["bits_per_param"] > 0
