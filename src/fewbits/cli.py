@@ -957,10 +957,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stdout)
             return 0
         command = f"fewbits {args.command}"
+        _quiet_library_loggers()
         return _run(command, args)
     except KeyboardInterrupt:  # Ctrl-C: no traceback; 130 = 128 + SIGINT, as a shell reports it
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_library_loggers() -> None:
+    """transformers imports torchao where it is installed, which logs a warning per CUDA-only
+    extension it cannot load on a CPU machine, and torch warns about enum registrations: noise
+    on the command line, not news for its user."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _run(command: str, args) -> int:
