@@ -2,6 +2,7 @@
 nothing below imports it."""
 from .safetensors_format import FileFormatError, load, save
 from .gguf_file import gguf_recipe, write_gguf
+from .gguf_reader import gguf_to_pretrained, read_gguf
 from .hf_dir import ShardWriter, read_tensors, save_pretrained
 from .streaming import ConversionSummary, model_skeleton, quantize_pretrained
 from .conversion import FORMATS, convert
@@ -11,4 +12,4 @@ _install_transformers_quantizer()  # lazily: registers when transformers' quanti
 
 __all__ = ["save", "load", "FileFormatError", "write_gguf", "gguf_recipe", "from_pretrained", "save_pretrained",
            "ShardWriter", "read_tensors", "quantize_pretrained", "model_skeleton", "ConversionSummary", "convert",
-           "FORMATS"]
+           "FORMATS", "read_gguf", "gguf_to_pretrained"]

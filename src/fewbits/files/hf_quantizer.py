@@ -91,7 +91,8 @@ def register() -> None:
 
 
 def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
-    """A quantized model straight from a fewbits Hugging Face directory, fp32 weights of the
+    """A quantized model straight from a fewbits Hugging Face directory, or from a llama GGUF
+    file (its block tensors kept as they are: fewbits.files.gguf_reader), fp32 weights of the
     quantized layers never materialized.
 
     The directory is checked first (read_tensors: nothing is loaded from a bad one). The model
@@ -102,6 +103,8 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
     memory-mapped shards into them. One loading path, the same as
     transformers.AutoModel*.from_pretrained(dir). device: where the model goes ("cpu", "cuda",
     ...); dtype: the float parameters' dtype (default: config.json's)."""
+    if os.path.isfile(directory) and os.fspath(directory).lower().endswith(".gguf"):
+        return _from_gguf(directory, device=device, dtype=dtype)
     tensors = read_tensors(directory)
     config = tensors.config
     if config is None:
@@ -121,6 +124,23 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
     device_map = {"": str(torch.device(device))}
     return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
                                device_map=device_map).eval()
+
+
+def _from_gguf(path, *, device, dtype) -> nn.Module:
+    """A llama GGUF file as a quantized model: its block tensors become QuantizedTensors as they
+    are (fewbits.files.gguf_reader), written to a temporary fewbits directory and loaded from it."""
+    import shutil
+    import tempfile
+
+    from .gguf_reader import gguf_to_pretrained
+
+    work = tempfile.mkdtemp(prefix="fewbits-gguf-")
+    try:
+        directory = gguf_to_pretrained(path, os.path.join(work, "model"))
+        # tensors memory-mapped from the files stay valid once the files are unlinked (POSIX)
+        return from_pretrained(directory, device=device, dtype=dtype)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 __all__ = ["from_pretrained"]
