@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from ..formats import IntFormat, get_format
-from ..kernels import decode, encode, round as fb_round
+from ..kernels import decode, encode, native, round as fb_round
 from .scheme import DOUBLE_QUANT_BLOCK, QuantScheme, scale_format_of
 
 _E8M0_BIAS = 127
@@ -330,6 +331,25 @@ _SYMMETRIC_STEPS = (0,) + tuple(i for i in range(-9, 10) if i)
 _SEARCH_VALUES = 1 << 20  # values searched at a time (the search works in float64)
 
 
+def group_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in one fixed order, the order of every sum of the k-quant
+    searches, which their C kernel (kernels/csrc/kquant.c) follows too: halving, with m values
+    left and h = m // 2, a[i] = a[i] + a[i + m - h] for i < h, then m = m - h, until one is left
+    (32 values: a[i] + a[i + 16], then + 8, + 4, + 2, + 1; of an odd m the middle value is
+    carried on). torch's own .sum() order depends on the CPU's vector width and the tensor's
+    shape, so the searches spell theirs out: they give the same results on every CPU, device
+    and path. float64 in, float64 out; an empty last dimension sums to 0."""
+    m = t.shape[-1]
+    if m == 0:
+        return t.sum(-1)
+    while m > 1:
+        h = m // 2
+        head = t[..., :h] + t[..., m - h:m]
+        t = head if m == 2 * h else torch.cat([head, t[..., h:m - h]], dim=-1)
+        m -= h
+    return t[..., 0]
+
+
 def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     """The Scaling of a super-block scheme (see QuantScheme): each group's scale (and float
     minimum) by scale_method ("absmax": the group's plain range; "mse": the weighted least-squares
@@ -395,12 +415,12 @@ def _super_scales(values: torch.Tensor, scheme: QuantScheme, sub) -> tuple[torch
 def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
     """Each group's sub-scale codes (and sub-minimum codes) under the super-block scales d (dmin):
     of the codes just below and just above scale / d (-minimum / dmin), the pair whose elements,
-    rounded under it, have the least weighted squared error (the weights of group_params)."""
+    rounded under it, have the least weighted squared error (the weights of group_params); the
+    first of equal ones, in the order (floor, floor), (floor, ceil), (ceil, floor), (ceil, ceil).
+    By kquant.c where the native library serves (see group_params), else by
+    _refine_codes_reference; the two agree bit for bit."""
     sub = scheme.sub_scale_format_of
-    rows, groups, n = g.shape
-    fmt = scheme.format
-    lo_q, hi_q = (0.0, float(2 ** fmt.bits - 1)) if scheme.zero_point == "float" else (float(fmt.lowest), float(fmt.max))
-    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
+    groups = g.shape[1]
 
     def neighbours(values, dd):
         de = expand_super(dd, scheme, groups).to(torch.float64)
@@ -410,8 +430,32 @@ def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
         return [torch.where(zero, torch.zeros_like(p), p) for p in pair], de
 
     sc_pairs, de = neighbours(scale, d)
+    m_pairs = dme = None
     if neg_min is not None:
         m_pairs, dme = neighbours(neg_min, dmin)
+    lo_q, hi_q = _element_range(scheme)
+    lib = _kquant_library(g, valid)
+    if lib is not None:
+        codes, mcodes = native.kquant_refine(lib, g, valid, lo_q, hi_q, de, sc_pairs, dme, m_pairs)
+    else:
+        codes, mcodes = _refine_codes_reference(g, valid, scheme, de, sc_pairs, dme, m_pairs)
+    return codes.to(torch.int64), (mcodes.to(torch.int64) if mcodes is not None else None)
+
+
+def _element_range(scheme: QuantScheme) -> tuple[float, float]:
+    """The element grid of a super-block scheme: 0..2^b-1 (float minimums), else lowest..max."""
+    fmt = scheme.format
+    if scheme.zero_point == "float":
+        return 0.0, float(2 ** fmt.bits - 1)
+    return float(fmt.lowest), float(fmt.max)
+
+
+def _refine_codes_reference(g, valid, scheme, de, sc_pairs, dme, m_pairs):
+    """_refine_codes' choice in torch (the reference kquant.c is tested against): float64
+    codes [rows, groups] (and sub-minimum codes, or None)."""
+    rows, groups, n = g.shape
+    lo_q, hi_q = _element_range(scheme)
+    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
     out_s, out_m = [], []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -419,11 +463,11 @@ def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
         w = _weights(x, valid, scheme)
         best = best_s = best_m = None
         for cs in sc_pairs:
-            for cm in (m_pairs if neg_min is not None else [None]):
+            for cm in (m_pairs if m_pairs is not None else [None]):
                 s_ = (de[r0:r1] * cs[r0:r1]).unsqueeze(-1)
                 m_ = -(dme[r0:r1] * cm[r0:r1]).unsqueeze(-1) if cm is not None else 0.0
                 q = torch.round((x - m_) / torch.where(s_ == 0, torch.ones_like(s_), s_)).clamp_(lo_q, hi_q)
-                err = (w * (q * s_ + m_ - x) ** 2).sum(-1)
+                err = group_sum(w * (q * s_ + m_ - x) ** 2)
                 if best is None:
                     best, best_s, best_m = err, cs[r0:r1], (cm[r0:r1] if cm is not None else None)
                     continue
@@ -434,17 +478,35 @@ def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
                     best_m = torch.where(better, cm[r0:r1], best_m)
         out_s.append(best_s)
         out_m.append(best_m)
-    codes = torch.cat(out_s).to(torch.int64)
-    mcodes = torch.cat(out_m).to(torch.int64) if neg_min is not None else None
-    return codes, mcodes
+    if not out_s:
+        empty = g.new_zeros((rows, groups), dtype=torch.float64)
+        return empty, (empty.clone() if m_pairs is not None else None)
+    return torch.cat(out_s), (torch.cat(out_m) if m_pairs is not None else None)
+
+
+def _kquant_library(g: torch.Tensor, valid):
+    """The native library where kquant.c takes this group view (CPU float32, groups of at most
+    256 values, not empty), else None (FEWBITS_NATIVE=0, no compiler, another device: torch)."""
+    if not g.numel() or not native.kquant_supported(g, valid):
+        return None
+    return native.library()
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The square root rounded to nearest, as IEEE 754 and C's sqrt() define it: torch's own
+    float64 sqrt on the CPU is not always (MKL's: about 1 value in 100 comes out one ulp off),
+    so the CPU reference takes numpy's; CUDA's double sqrt is correctly rounded."""
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(t.detach().contiguous().numpy()))
+    return torch.sqrt(t)
 
 
 def _weights(x: torch.Tensor, valid, scheme: QuantScheme) -> torch.Tensor:
     """The weights of the k-quant searches, as llama.cpp's reference quantizers weigh the error:
     float minimums sqrt(mean x^2) + |x| (per group), symmetric x^2; 0 on padding. x: float64."""
     if scheme.zero_point == "float":
-        w = x.abs() + torch.sqrt((x * x).mean(-1) if valid is None else
-                                 (x * x).sum(-1) / valid.sum(-1).clamp(min=1)).unsqueeze(-1)
+        count = x.shape[-1] if valid is None else valid.sum(-1).clamp(min=1)
+        w = x.abs() + _sqrt(group_sum(x * x) / count).unsqueeze(-1)
     else:
         w = x * x
     if valid is not None:
@@ -465,7 +527,38 @@ def group_params(g: torch.Tensor, valid, scheme: QuantScheme) -> tuple[torch.Ten
     "mse": for each candidate iscale = -(nmax + 0.1 i) / (the value of largest magnitude), with
     nmax = -lowest, codes L = clamp(round(iscale * x), lowest, max) and scale = sum(w x L) /
     sum(w L^2); the largest sum(w x L)^2 / sum(w L^2) (least weighted error) wins.
-    Padding entries have weight 0 and are left out of the minimum and maximum."""
+    Padding entries have weight 0 and are left out of the minimum and maximum.
+
+    Every sum is a group_sum (its order fixed). "mse" runs in kquant.c where the native library
+    serves (CPU float32; fewbits.kernels.native), else as group_params_reference; the two agree
+    bit for bit (tests/quant/test_kquant_fast.py)."""
+    if scheme.scale_method == "mse":
+        lib = _kquant_library(g, valid)
+        if lib is not None:
+            if scheme.zero_point == "float":
+                return native.kquant_float_min(lib, g, valid, _element_range(scheme)[1],
+                                               _float_min_candidates(scheme))
+            lowest, top = _element_range(scheme)
+            return native.kquant_symmetric(lib, g, valid, lowest, top, _symmetric_candidates(scheme)), None
+    return group_params_reference(g, valid, scheme)
+
+
+def _float_min_candidates(scheme: QuantScheme) -> list[float]:
+    """The constants c of the float-minimum search's candidate scales c / (max - min)."""
+    nmax = float(2 ** scheme.format.bits - 1)
+    rmin, rdelta, nstep = _FLOAT_MIN_SEARCH.get(scheme.format.bits, _FLOAT_MIN_SEARCH_OTHER)
+    return [rmin + rdelta * i + nmax for i in range(nstep + 1)]
+
+
+def _symmetric_candidates(scheme: QuantScheme) -> list[float]:
+    """The constants c of the symmetric search's candidate scales c / (the value of largest
+    magnitude); the first is the plain range."""
+    nmax = -float(scheme.format.lowest)
+    return [-(nmax + 0.1 * i) for i in _SYMMETRIC_STEPS]
+
+
+def group_params_reference(g: torch.Tensor, valid, scheme: QuantScheme):
+    """group_params in torch, in row chunks of bounded size (the reference of kquant.c)."""
     rows, groups, n = g.shape
     step = max(1, _SEARCH_VALUES // max(groups * n, 1))
     scales, mins = [], []
@@ -486,7 +579,8 @@ def group_params(g: torch.Tensor, valid, scheme: QuantScheme) -> tuple[torch.Ten
 def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
     nmax = float(2 ** scheme.format.bits - 1)
     inf = torch.tensor(float("inf"), dtype=x.dtype)
-    lo = (torch.where(valid, x, inf) if valid is not None else x).amin(-1).clamp(max=0.0)
+    lo = (torch.where(valid, x, inf) if valid is not None else x).amin(-1)
+    lo = torch.where(lo < 0, lo, torch.zeros_like(lo))  # min(lo, 0), and +0.0 for either zero
     hi = (torch.where(valid, x, -inf) if valid is not None else x).amax(-1)
     span = hi - lo
     flat = span <= 0  # constant (or all-zero) groups: scale 0, the minimum holds the value
@@ -495,7 +589,7 @@ def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
     minimum = lo
     if scheme.scale_method == "mse":
         w = _weights(x, valid, scheme)
-        sw, sx, sx2 = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
+        sw, sx, sx2 = group_sum(w), group_sum(w * x), group_sum(w * x * x)
         xs = x - lo.unsqueeze(-1)
 
         def weighted_error(s, m, sl, sl2, sxl):  # sum w (s L + m - x)^2, from the sums
@@ -504,12 +598,11 @@ def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
         def sums(iscale):
             L = torch.round(xs * iscale.unsqueeze(-1)).clamp_(0.0, nmax)
             wl = w * L
-            return wl.sum(-1), (wl * L).sum(-1), (wl * x).sum(-1)
+            return group_sum(wl), group_sum(wl * L), group_sum(wl * x)
 
         best = weighted_error(scale, minimum, *sums(1.0 / torch.where(flat, torch.ones_like(scale), scale)))
-        rmin, rdelta, nstep = _FLOAT_MIN_SEARCH.get(scheme.format.bits, _FLOAT_MIN_SEARCH_OTHER)
-        for i in range(nstep + 1):
-            sl, sl2, sxl = sums((rmin + rdelta * i + nmax) / safe_span)
+        for c in _float_min_candidates(scheme):
+            sl, sl2, sxl = sums(c / safe_span)  # torch: safe_span.reciprocal() * c
             D = sw * sl2 - sl * sl
             ok = (D > 0) & ~flat
             safe_D = torch.where(ok, D, torch.ones_like(D))
@@ -531,17 +624,16 @@ def _symmetric_params(x: torch.Tensor, valid, scheme: QuantScheme):
     if scheme.scale_method != "mse":
         return x.abs().amax(-1) / float(fmt.max)
     lowest, top = float(fmt.lowest), float(fmt.max)
-    nmax = -lowest
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the value of largest magnitude
     zero = peak == 0
     safe_peak = torch.where(zero, torch.ones_like(peak), peak)
     w = _weights(x, valid, scheme)
     scale = best = None
-    for i in _SYMMETRIC_STEPS:
-        iscale = -(nmax + 0.1 * i) / safe_peak
+    for c in _symmetric_candidates(scheme):
+        iscale = c / safe_peak  # torch: safe_peak.reciprocal() * c
         L = torch.round(x * iscale.unsqueeze(-1)).clamp_(lowest, top)
         wl = w * L
-        sumlx, suml2 = (wl * x).sum(-1), (wl * L).sum(-1)
+        sumlx, suml2 = group_sum(wl * x), group_sum(wl * L)
         ok = suml2 > 0
         safe_l2 = torch.where(ok, suml2, torch.ones_like(suml2))
         s = sumlx / safe_l2
