@@ -41,7 +41,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..kernels import encode, pack
+from ..kernels import encode, pack, unpack
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import _PACK_ORDER, QuantizedTensor
 
@@ -98,7 +98,145 @@ def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
     q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
     `gguf.quants.quantize` returns them (a GGUFWriter takes this array with raw_dtype = the GGML
     type). The last dimension must be a multiple of the block (32; 256 for the k-quants): GGUF
-    blocks have no padding."""
+    blocks have no padding.
+
+    Works on the packed codes as bytes (the fewbits codes of an integer format are the value's
+    two's complement bits, GGUF's are value + 2^(b-1): one XOR of the top bit; 4-bit codes are
+    moved nibble by nibble without unpacking); _encode_blocks_reference, the plain version through
+    integer values, gives the same bytes (tested)."""
+    name, shape, block, type_size = _check_encodable(qt)
+    if qt.scheme.super_block is not None:
+        blocks = _encode_k_fast(qt, name)
+    else:
+        blocks = _encode_legacy_fast(qt, name)
+    assert blocks.shape[-1] == type_size
+    return blocks.reshape(*shape[:-1], shape[-1] // block * type_size)
+
+
+def _check_encodable(qt) -> tuple[str, tuple, int, int]:
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"encode_blocks() takes a QuantizedTensor, got {type(qt).__name__}")
+    name = gguf_block_type(qt.scheme)
+    _, _, type_size = GGUF_BLOCK_TYPES[name]
+    shape = tuple(qt.shape)
+    block = block_values(name)
+    if len(shape) == 0 or shape[-1] % block:
+        raise ValueError(f"GGUF {name} needs rows of a multiple of {block} values (the last dimension); "
+                         f"shape {shape} has rows of {shape[-1] if shape else 0}")
+    return name, shape, block, type_size
+
+
+def _packed_bytes(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().cpu().numpy()).reshape(-1)
+
+
+def _codes_u8(packed: torch.Tensor, bits: int, count: int) -> np.ndarray:
+    """The first `count` codes of a low_first stream of `bits`-wide codes, uint8 [count]."""
+    p = _packed_bytes(packed)
+    if bits == 8:
+        return p[:count]
+    if bits == 4:
+        c = np.empty(2 * p.size, dtype=np.uint8)
+        c[0::2] = p & 0x0F
+        c[1::2] = p >> 4
+        return c[:count]
+    return unpack(p, bits, count, order=_PACK_ORDER)
+
+
+def _pack_u8(codes: np.ndarray, bits: int) -> torch.Tensor:
+    """uint8 codes (C order) packed low_first as quantize() packs them, a uint8 tensor."""
+    c = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return torch.from_numpy(c.copy())
+    if bits == 4:
+        if c.size % 2:
+            c = np.concatenate([c, np.zeros(1, np.uint8)])
+        return torch.from_numpy(c[0::2] | (c[1::2] << 4))
+    return torch.from_numpy(np.ascontiguousarray(pack(c, bits, order=_PACK_ORDER)))
+
+
+def _split_nibbles(p: np.ndarray) -> np.ndarray:
+    """fewbits' packed bytes p [..., 2h] of 4h codes c (byte i: c[2i] low, c[2i+1] high) as GGUF's
+    [..., 2h] (byte j: c[j] low, c[j + 2h] high)."""
+    h = p.shape[-1] // 2
+    a, b = p[..., :h], p[..., h:]
+    out = np.empty_like(p)
+    out[..., 0::2] = (a & 0x0F) | (b << 4)
+    out[..., 1::2] = (a >> 4) | (b & 0xF0)
+    return out
+
+
+def _join_nibbles(o: np.ndarray) -> np.ndarray:
+    """Inverse of _split_nibbles: GGUF's nibble bytes [..., 2h] as fewbits' packed bytes."""
+    even, odd = o[..., 0::2], o[..., 1::2]
+    return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+
+
+def _encode_legacy_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
+    """Blocks of 32 values, uint8 [rows, groups, type_size]."""
+    rows, cols, _, groups = qt.scheme.layout(tuple(qt.shape))
+    bits = qt.scheme.format.bits
+    _, _, type_size = GGUF_BLOCK_TYPES[name]
+    out = np.empty((rows, groups, type_size), dtype=np.uint8)
+    out[..., 0:2] = _halves(qt.scales)
+    at = 2
+    if qt.minimums is not None:
+        out[..., 2:4] = _halves(qt.minimums)
+        at = 4
+    flip = 0 if qt.minimums is not None or name == "Q8_0" else 1 << (bits - 1)  # two's complement -> offset
+    if bits == 4:  # the nibbles as they are packed, moved
+        p = _packed_bytes(qt.codes)[: rows * cols // 2].reshape(rows, groups, 16)
+        out[..., at:] = _split_nibbles(p) ^ (flip * 0x11)
+        return out
+    q = _codes_u8(qt.codes, bits, rows * cols).reshape(rows, groups, BLOCK) ^ flip
+    if name == "Q8_0":
+        out[..., at:] = q
+        return out
+    out[..., at:at + 4] = np.packbits((q >> 4) & 1, axis=-1, bitorder="little")  # qh, little-endian uint32
+    out[..., at + 4:] = (q[..., :16] & 0x0F) | (q[..., 16:] << 4)
+    return out
+
+
+def _encode_k_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
+    """k-quant super-blocks, uint8 [rows * super-blocks, type_size] (see the module docstring)."""
+    s = qt.scheme
+    rows, supers, per = s.super_layout(qt.shape)
+    n = rows * supers
+    _, _, type_size = GGUF_BLOCK_TYPES[name]
+    sub = s.sub_scale_format_of
+    out = np.empty((n, type_size), dtype=np.uint8)
+    sc = _codes_u8(qt.sub_scales, sub.bits, n * per).reshape(n, per)  # int8: two's complement bytes
+    d = _halves(qt.super_scales).reshape(n, 2)
+    if name == "Q6_K":
+        q = (_codes_u8(qt.codes, 6, n * 256) ^ 32).reshape(n, 2, 4, 32)  # [half, quarter, l], value + 32
+        ql = out[:, :128].reshape(n, 2, 2, 32)
+        ql[:, :, 0] = (q[:, :, 0] & 0x0F) | (q[:, :, 2] << 4)
+        ql[:, :, 1] = (q[:, :, 1] & 0x0F) | (q[:, :, 3] << 4)
+        hi = q >> 4
+        out[:, 128:192] = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+        out[:, 192:208] = sc
+        out[:, 208:210] = d
+        return out
+    m = _codes_u8(qt.sub_minimums, sub.bits, n * per).reshape(n, per)
+    out[:, 0:2] = d
+    out[:, 2:4] = _halves(qt.super_minimums).reshape(n, 2)
+    out[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    if name == "Q4_K":
+        p = _packed_bytes(qt.codes)[: n * 128].reshape(n, 4, 32)  # 64 codes per chunk
+        out[:, 16:] = _split_nibbles(p).reshape(n, 128)
+        return out
+    q = _codes_u8(qt.codes, 5, n * 256).reshape(n, 4, 2, 32)  # [chunk of 64, low/high half, l]
+    bits = ((q.reshape(n, 8, 32) >> 4) & 1).transpose(0, 2, 1)  # [n, l, i]: bit i of qh[l]
+    out[:, 16:48] = np.packbits(np.ascontiguousarray(bits), axis=-1, bitorder="little")[..., 0]
+    out[:, 48:] = ((q[:, :, 0] & 0x0F) | (q[:, :, 1] << 4)).reshape(n, 128)
+    return out
+
+
+def _encode_blocks_reference(qt: QuantizedTensor) -> np.ndarray:
+    """encode_blocks() as first written, through the integer values (int_codes, int64): the
+    reference encode_blocks is tested against."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"encode_blocks() takes a QuantizedTensor, got {type(qt).__name__}")
     name = gguf_block_type(qt.scheme)
@@ -109,7 +247,7 @@ def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
         raise ValueError(f"GGUF {name} needs rows of a multiple of {block} values (the last dimension); "
                          f"shape {shape} has rows of {shape[-1] if shape else 0}")
     if qt.scheme.super_block is not None:
-        blocks = _encode_k(qt, name)
+        blocks = _encode_k_reference(qt, name)
         assert blocks.shape[-1] == type_size
         return blocks.reshape(*shape[:-1], shape[-1] // block * type_size)
     rows, cols, _, groups = qt.scheme.layout(shape)
@@ -131,7 +269,7 @@ def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
     return blocks.reshape(*shape[:-1], groups * type_size)
 
 
-def _encode_k(qt: QuantizedTensor, name: str) -> np.ndarray:
+def _encode_k_reference(qt: QuantizedTensor, name: str) -> np.ndarray:
     """k-quant super-blocks, uint8 [rows * super-blocks, type_size] (see the module docstring)."""
     s = qt.scheme
     rows, supers, per = s.super_layout(qt.shape)
@@ -159,7 +297,7 @@ def _encode_k(qt: QuantizedTensor, name: str) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def _decode_k(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dtype) -> QuantizedTensor:
+def _decode_k_reference(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dtype) -> QuantizedTensor:
     """A QuantizedTensor of a k-quant preset from its super-blocks b uint8 [rows, supers, size]."""
     rows, supers, size = b.shape
     n = rows * supers
@@ -204,7 +342,90 @@ def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.floa
     """A QuantizedTensor of the matching preset from GGUF block bytes of type `type_name` ("Q4_0",
     ...) holding a tensor of `shape` (numpy shape order: the last dimension is the row). The
     bytes are checked against the shape first (a file's tensor is untrusted); the result's
-    dequantize() equals gguf.quants.dequantize of the same bytes."""
+    dequantize() equals gguf.quants.dequantize of the same bytes. Works on bytes as
+    encode_blocks does; equal to _decode_blocks_reference (tested)."""
+    b, scheme, shape = _check_decodable(blocks, type_name, shape)
+    if scheme.super_block is not None:
+        return _decode_k_fast(b, scheme, type_name, shape, dtype)
+    rows, groups, _ = b.shape
+    bits = scheme.format.bits
+
+    def halves(at):
+        return torch.from_numpy(np.ascontiguousarray(b[..., at:at + 2]).view("<f2")[..., 0].astype(np.float16))
+
+    scales = halves(0)
+    minimums = halves(2) if scheme.zero_point == "float" else None
+    at = 4 if minimums is not None else 2
+    flip = 0 if minimums is not None or type_name == "Q8_0" else 1 << (bits - 1)  # offset -> two's complement
+    if bits == 4:
+        codes = torch.from_numpy(_join_nibbles(b[..., at:]).reshape(-1) ^ (flip * 0x11))
+    elif type_name == "Q8_0":
+        codes = torch.from_numpy(np.ascontiguousarray(b[..., at:]).reshape(-1))
+    else:
+        high = np.unpackbits(np.ascontiguousarray(b[..., at:at + 4]), axis=-1, bitorder="little") << 4
+        qs = b[..., at + 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high
+        codes = _pack_u8(q ^ flip, bits)
+    return QuantizedTensor(scheme, shape, dtype, codes, scales=scales, minimums=minimums)
+
+
+def _check_decodable(blocks, type_name: str, shape):
+    """(uint8 [rows, blocks per row, type_size], the preset, the shape) after the checks."""
+    if type_name not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"unknown GGUF block type {type_name!r}; supported: {', '.join(GGUF_BLOCK_TYPES)}")
+    preset, _, type_size = GGUF_BLOCK_TYPES[type_name]
+    scheme = get_scheme(preset)
+    shape = tuple(int(s) for s in shape)
+    block = block_values(type_name)
+    if len(shape) == 0 or shape[-1] % block or any(s < 0 for s in shape):
+        raise ValueError(f"GGUF {type_name} holds rows of a multiple of {block} values; shape {shape} has not")
+    raw = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1)
+    rows, cols, _, groups = scheme.layout(shape)
+    count = rows * (cols // block)
+    if raw.size != count * type_size:
+        raise ValueError(f"GGUF {type_name} data for shape {shape} must be {count * type_size} bytes "
+                         f"({count} blocks of {type_size}), got {raw.size}")
+    return raw.reshape(rows, cols // block, type_size), scheme, shape
+
+
+def _decode_k_fast(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dtype) -> QuantizedTensor:
+    """A QuantizedTensor of a k-quant preset from its super-blocks b uint8 [rows, supers, size]."""
+    rows, supers, size = b.shape
+    n = rows * supers
+    b = b.reshape(n, size)
+
+    def halves(at):
+        return torch.from_numpy(np.ascontiguousarray(b[:, at:at + 2]).view("<f2")[:, 0].astype(np.float16))
+
+    sub = scheme.sub_scale_format_of
+    parts = {}
+    if type_name == "Q6_K":
+        ql, qh = b[:, :128].reshape(n, 2, 2, 32), b[:, 128:192].reshape(n, 2, 1, 32)
+        low = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        codes = _pack_u8((low | (high << 4)) ^ 32, 6)  # value + 32 -> two's complement
+        parts["sub_scales"] = _pack_u8(b[:, 192:208], sub.bits)
+        parts["super_scales"] = halves(208).reshape(rows, supers)
+    else:
+        sb = b[:, 4:16]
+        sc = np.concatenate([sb[:, :4] & 63, (sb[:, 8:] & 0xF) | ((sb[:, :4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([sb[:, 4:8] & 63, (sb[:, 8:] >> 4) | ((sb[:, 4:8] >> 6) << 4)], axis=-1)
+        if type_name == "Q4_K":
+            codes = torch.from_numpy(_join_nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(-1))
+        else:
+            qh = np.ascontiguousarray(b[:, 16:48])
+            high = np.unpackbits(qh[:, :, None], axis=-1, bitorder="little")  # [n, l, i]
+            high = np.ascontiguousarray(high.transpose(0, 2, 1)).reshape(n, 4, 2, 32) << 4
+            qs = b[:, 48:176].reshape(n, 4, 1, 32)
+            codes = _pack_u8(np.concatenate([qs & 0xF, qs >> 4], axis=2) | high, 5)
+        parts.update(sub_scales=_pack_u8(sc, sub.bits), super_scales=halves(0).reshape(rows, supers),
+                     sub_minimums=_pack_u8(m, sub.bits), super_minimums=halves(2).reshape(rows, supers))
+    return QuantizedTensor(scheme, shape, dtype, codes, **parts)
+
+
+def _decode_blocks_reference(blocks, type_name: str, shape, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+    """decode_blocks() as first written, through int64 values and encode(): the reference
+    decode_blocks is tested against."""
     if type_name not in GGUF_BLOCK_TYPES:
         raise ValueError(f"unknown GGUF block type {type_name!r}; supported: {', '.join(GGUF_BLOCK_TYPES)}")
     preset, _, type_size = GGUF_BLOCK_TYPES[type_name]
@@ -221,7 +442,7 @@ def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.floa
                          f"({count} blocks of {type_size}), got {raw.size}")
     b = raw.reshape(rows, cols // block, type_size)
     if scheme.super_block is not None:
-        return _decode_k(b, scheme, type_name, shape, dtype)
+        return _decode_k_reference(b, scheme, type_name, shape, dtype)
 
     def halves(at):
         return torch.from_numpy(np.ascontiguousarray(b[..., at:at + 2]).view("<f2")[..., 0].astype(np.float16))
