@@ -69,17 +69,22 @@ def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def read_gguf(path) -> tuple[dict, dict]:
-    """(config dict, {Hugging Face name: QuantizedTensor or float tensor}) of a llama GGUF file
-    (see the module docstring)."""
+def _reader(path: str):
     import gguf
 
-    path = os.fspath(path)
-    cfg = _config(path)
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise FileFormatError(path, f"not a readable GGUF file: {e}") from None
+
+
+def read_gguf(path, reader=None) -> tuple[dict, dict]:
+    """(config dict, {Hugging Face name: QuantizedTensor or float tensor}) of a llama GGUF file
+    (see the module docstring). reader: a gguf.GGUFReader of it already made (parsing a large
+    vocabulary takes a while)."""
+    path = os.fspath(path)
+    cfg = _config(path)
+    reader = reader if reader is not None else _reader(path)
     expected = _expected_names(cfg)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg.get("num_key_value_heads") or cfg["num_attention_heads"]}
     tensors, problems = {}, []
@@ -134,11 +139,11 @@ def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
 
     from .hf_dir import ShardWriter
 
-    import gguf
-
     path = os.fspath(path)
-    cfg, tensors = read_gguf(path)
-    field = gguf.GGUFReader(path).get_field("tokenizer.ggml.model")
+    reader = _reader(path)
+    cfg, tensors = read_gguf(path, reader)
+    field = reader.get_field("tokenizer.ggml.model")
+    del reader
     tokenizer = None
     if field is not None and field.contents() != "none":  # "none": llama.cpp's model without a vocabulary
         try:
