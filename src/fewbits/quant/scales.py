@@ -359,7 +359,9 @@ def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     round(scale / d) clamped to the sub-scale format, and the effective scale d * code (float32,
     exact). The minimums likewise (codes of -minimum, unsigned). With "mse" each group's codes
     are then chosen among the neighbours of scale / d (and -minimum / dmin), floor or ceil, by the
-    weighted error of its elements rounded under them (_refine_codes). scaled() then rounds the elements
+    weighted error of its elements rounded under them (_refine_codes). Both searches run in C
+    (kernels/csrc/kquant.c) where the native library serves, else in torch, with equal results.
+    scaled() then rounds the elements
     under these final scales and minimums, as quantize() rounds every float-minimum or symmetric
     scheme: round((x - minimum) * (1 / scale)).
 
@@ -367,7 +369,7 @@ def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     chosen against the fp16-rounded d (llama.cpp rounds scale * 63 / max against the unrounded
     one), floor or ceil by the resulting error (llama.cpp: nearest), the elements are multiplied
     by 1 / scale rather than divided and rounded half to even (as every fewbits scheme), the search
-    sums in float64, and a group whose scale code is 0 keeps codes that dequantize to its minimum
+    works in float64 and sums each group in group_sum's order (llama.cpp: float32, sequentially), and a group whose scale code is 0 keeps codes that dequantize to its minimum
     (llama.cpp leaves the search's codes there: they dequantize to the same value)."""
     sub = scheme.sub_scale_format_of
     rows, groups, _ = g.shape
