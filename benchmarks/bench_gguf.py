@@ -167,6 +167,11 @@ def reader(path: str):
     return _READERS[path]
 
 
+def forget(path: str) -> None:
+    """Drop the parsed reader of a file about to be rewritten."""
+    _READERS.pop(path, None)
+
+
 def gguf_stats(path: str) -> dict:
     """From the file itself (gguf.GGUFReader): parameters, tensor data bytes, bits/param, file
     size, {tensor: GGML type name}."""
@@ -201,6 +206,7 @@ def llama_quantize(src: str, dst: str, recipe: str, threads: int) -> float:
     params.ftype = getattr(llama_cpp, ftype)
     params.pure = pure
     params.nthread = threads
+    forget(dst)
     t0 = time.perf_counter()
     with quiet_fds():
         rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
@@ -225,24 +231,25 @@ def fewbits_quantize(model, recipe: str, method: str, calibration):
 def write(path: str, model, tokenizer, file_type=None) -> float:
     from fewbits.files.gguf_file import write_gguf
 
+    forget(path)
     t0 = time.perf_counter()
     write_gguf(path, tensor_mapping(model), model.config, tokenizer, overwrite=True, file_type=file_type)
     return time.perf_counter() - t0
 
 
-def gguf_types_of_model(recipe: str, model, tokenizer, work: str, f32: str, threads: int, methods, calibration,
-                        measure, keep_model=None):
+def gguf_types_of_model(prefix: str, recipe: str, model, tokenizer, work: str, f32: str, threads: int, methods,
+                        calibration, measure, keep_model=None):
     """The rows of one recipe: llama.cpp's file, then fewbits' per method; measure(path) -> quality dict.
     keep_model(recipe, method, quantized model) is called before a quantized model is dropped."""
     rows = []
-    ref_path = os.path.join(work, f"llamacpp-{recipe}.gguf")
+    ref_path = os.path.join(work, f"{prefix}-llamacpp-{recipe}.gguf")
     seconds = llama_quantize(f32, ref_path, recipe, threads)
     ref = gguf_stats(ref_path)
     rows.append({"file": "llama.cpp", "type": recipe, "path": ref_path, "seconds": seconds, **ref,
                  "types_match": True, "same_bytes": None, **measure(ref_path)})
     for method in methods:
         m, q_seconds = fewbits_quantize(model, recipe, method, calibration)
-        path = os.path.join(work, f"fewbits-{method}-{recipe}.gguf")
+        path = os.path.join(work, f"{prefix}-fewbits-{method}-{recipe}.gguf")
         w_seconds = write(path, m, tokenizer, file_type=recipe)
         if keep_model is not None:
             keep_model(recipe, method, m)
@@ -397,8 +404,8 @@ def run_minilm(args, work: str) -> dict:
         f"min {rows[0]['min_cosine']:.7f}")
     for recipe in args.types:
         t0 = time.perf_counter()
-        rows += gguf_types_of_model(recipe, model, tokenizer, work, f32, args.threads, args.methods, calibration,
-                                    measure)
+        rows += gguf_types_of_model("minilm", recipe, model, tokenizer, work, f32, args.threads, args.methods,
+                                    calibration, measure)
         log(f"  {recipe}: done in {time.perf_counter() - t0:.0f} s")
     cols = [("mean cos", lambda r: f"{r['mean_cosine']:.5f}"), ("min cos", lambda r: f"{r['min_cosine']:.5f}"),
             ("1 - mean cos", lambda r: f"{1 - r['mean_cosine']:.2e}")]
@@ -447,8 +454,8 @@ def run_smollm2(args, work: str) -> dict:
 
     for recipe in args.types:
         t0 = time.perf_counter()
-        rows += gguf_types_of_model(recipe, model, tokenizer, work, f32, args.threads, args.methods, calibration,
-                                    measure, keep_model=keep)
+        rows += gguf_types_of_model("smollm2", recipe, model, tokenizer, work, f32, args.threads, args.methods,
+                                    calibration, measure, keep_model=keep)
         log(f"  {recipe}: done in {time.perf_counter() - t0:.0f} s")
     cols = [("perplexity", lambda r: f"{r['perplexity']:.4f}")]
     log("")
@@ -480,7 +487,7 @@ def generation_check(args, work, model, tokenizer, f32, quantized, calibration) 
 
     recipe = args.generate_type
     log(f"\n## Generation: the fewbits GPTQ {recipe} GGUF of SmolLM2 in llama.cpp and in transformers")
-    path = os.path.join(work, f"fewbits-gptq-{recipe}.gguf")
+    path = os.path.join(work, f"smollm2-fewbits-gptq-{recipe}.gguf")
     if quantized is None or not os.path.exists(path):
         quantized, _ = fewbits_quantize(model, recipe, "gptq", calibration)
         write(path, quantized, tokenizer, file_type=recipe)
@@ -515,7 +522,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="rtn,gptq", help="fewbits methods (default: %(default)s)")
     p.add_argument("--eval", type=int, default=256, help="MiniLM evaluation sentences (default: %(default)s)")
     p.add_argument("--calib", type=int, default=128, help="MiniLM calibration sentences (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=2048, help="SmolLM2 eval tokens (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=4096, help="SmolLM2 eval tokens (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=512, help="SmolLM2 perplexity window (default: %(default)s)")
     p.add_argument("--calib-batches", type=int, default=8,
                    help="SmolLM2 GPTQ calibration windows of 256 tokens (default: %(default)s)")
