@@ -47,3 +47,19 @@ def test_a_format_without_a_preset_says_so(name, msg):
     with pytest.raises(ValueError, match="unknown quantization scheme") as info:
         get_scheme(name)
     assert msg in str(info.value)
+
+
+def test_schemes_without_super_blocks_describe_themselves_as_before():
+    """Files written today of schemes without k-quant super-blocks carry no new scheme fields, so
+    the fewbits release that wrote format-1 files first (which refuses unknown fields) reads them."""
+    import fewbits as fb
+
+    before = {"format", "granularity", "axis", "group_size", "symmetric", "scale_format", "scale_method",
+              "percentile", "mx_scale_mode", "mode", "seed", "double_quant", "activations", "zero_point", "name"}
+    for name in ("int4", "nf4_dq", "q4_1", "w8a8", "mxfp4"):
+        d = fb.get_scheme(name).to_dict()
+        assert set(d) == before, name
+        assert fb.QuantScheme.from_dict(d) == fb.get_scheme(name)
+    d = fb.get_scheme("q4_k").to_dict()
+    assert d["super_block"] == 256 and d["sub_scale_format"] == "uint6"
+    assert fb.QuantScheme.from_dict(d) == fb.get_scheme("q4_k")

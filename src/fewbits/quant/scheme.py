@@ -41,6 +41,7 @@ ZERO_POINTS = ("int", "float")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 DOUBLE_QUANT_BLOCK = 256  # QLoRA: the group scales are quantized to int8 in blocks of 256
 SUPER_SCALE_METHODS = ("absmax", "mse")  # scale_methods of two-level (super-block) schemes
+_LATER_FIELDS = ("super_block", "sub_scale_format")  # QuantScheme fields newer than file format 1
 
 _SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8, "none": 0}
 _SCALE_FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "e8m0": "e8m0", "e4m3": "fp8_e4m3"}
@@ -385,6 +386,11 @@ class QuantScheme:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["format"] = _format_spec(self.format)
         d["activations"] = self.activations.to_dict() if self.activations is not None else None
+        # fields added after files of format version 1 were first written appear only when used,
+        # so a file of a scheme without them stays readable by the fewbits that wrote those files
+        for key in _LATER_FIELDS:
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
