@@ -562,10 +562,21 @@ class HFTensors(Mapping):
                 self._order.append(name)
 
     # --- the mapping ------------------------------------------------------------------------------
+    def _read(self, path: str, key: str) -> torch.Tensor:
+        """One tensor's data, through a handle of its own that is closed at once: pages a
+        memory map has touched count in the process's resident memory for as long as it stays
+        open, so a kept handle would make streaming a whole model hold all of it."""
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(path, framework="pt", device="cpu") as h:
+                return h.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise FileFormatError(path, f"not a readable safetensors file (truncated or corrupted?): {e}") from None
+
     def __getitem__(self, name: str):
         if name in self._float:
             path = self._float[name]
-            return self._handle(path).get_tensor(name)
+            return self._read(path, name)
         module = self._qt.get(name)
         if module is None:
             raise KeyError(name)
@@ -573,7 +584,7 @@ class HFTensors(Mapping):
         tensors = {}
         for k in expected_keys(scheme):
             key = f"{module}.{QWEIGHT}.{k}"
-            tensors[k] = self._handle(self._where_q(module, k)).get_tensor(key)
+            tensors[k] = self._read(self._where_q(module, k), key)
         path = self._where_q(module, "codes")
         try:
             qt = QuantizedTensor.from_state_dict(scheme, shape, dtype, tensors)

@@ -46,6 +46,7 @@ from .safetensors_format import FileFormatError
 __all__ = ["ConversionSummary", "model_skeleton", "quantize_pretrained"]
 
 METHODS = ("rtn", "gptq")
+STREAM_SHARD_BYTES = 1 << 30  # output shards of 1 GiB: the writer holds one while it fills
 
 
 @dataclasses.dataclass
@@ -193,7 +194,7 @@ class _Replay(nn.Module):
 
 def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", calibration=None, skip=(),
                         embeddings: bool = False, tied: str = "keep", dtype: torch.dtype | None = None,
-                        tokenizer=None, max_shard_bytes: int | None = None, overwrite: bool = False,
+                        tokenizer=None, max_shard_bytes: int = STREAM_SHARD_BYTES, overwrite: bool = False,
                         progress: bool | Callable | None = None, check_plan: Callable | None = None,
                         **gptq_options) -> ConversionSummary:
     """Quantize the Hugging Face model directory `source` into the directory `out` (an HF
@@ -230,7 +231,7 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     names = _parameters_to_load(model, tensors, plan)
     batches = calibration_batches(calibration) if method == "gptq" else None
     report = counter(progress, len(plan), method)
-    writer = ShardWriter(out, overwrite=overwrite, **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}))
+    writer = ShardWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     written = {"params": 0, "bytes": 0}
 
     def emit(name: str, value) -> None:
