@@ -438,7 +438,7 @@ def _gb(n: float) -> str:
 
 def _quant_convert(args, out, say) -> int:
     """`fewbits quantize MODEL --scheme S --out OUT [--format F]`: write a deployable model."""
-    from .files.conversion import convert, output_format
+    from .files.conversion import convert, output_format, scratch_directory
     from .study import quantization as sq
 
     fmt = output_format(args.out, args.format)
@@ -448,7 +448,7 @@ def _quant_convert(args, out, say) -> int:
     if not os.path.isdir(parent):
         raise OSError(f"--out {args.out}: {parent} is not a directory")
     _probe_writable(parent, "--out", args.out)
-    with tempfile.TemporaryDirectory(prefix=".fewbits-source-", dir=parent) as tmp:
+    with scratch_directory(args.out) as tmp:  # a GGUF source's float model (a kill leaves it to the next run)
         say(f"reading {args.model} ...")
         source = _quant_source(args.model, os.path.join(tmp, "model"))
         plan = sq.conversion_plan(source, args.scheme, fmt, budget=args.budget, progress=say)

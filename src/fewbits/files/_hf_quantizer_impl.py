@@ -12,7 +12,8 @@ from .._version import __version__
 from ..quant.plan import is_quantized
 from ..quant.tensor import STATE_KEYS, expected_keys
 from .hf_dir import (
-    QUANT_FORMAT_VERSION, QUANT_METHOD, QWEIGHT, empty_quantized_modules, parse_quantization_config, read_tensors,
+    QUANT_FORMAT_VERSION, QUANT_METHOD, QWEIGHT, check_fits, empty_quantized_modules, parse_quantization_config,
+    read_tensors,
 )
 from .safetensors_format import FileFormatError
 
@@ -97,9 +98,11 @@ class FewbitsHfQuantizer(HfQuantizer):
         plan = self.quantization_config.plan
         directory = checkpoint_directory(checkpoint_files)
         if directory is not None:
-            found = read_tensors(directory).quantized  # every header checked before anything is loaded
-            if found != plan:
+            tensors = read_tensors(directory)  # every header checked before anything is loaded
+            if tensors.quantized != plan:
                 raise FileFormatError(directory, "config.json's quantization_config changed while loading")
+            check_fits(model, tensors)  # a stored shape config.json does not give: named here, not as
+            tensors.close()             # transformers' "ignore_mismatched_sizes" error after its report
         empty_quantized_modules(model, plan, where=directory or "quantization_config")
         return model
 

@@ -13,14 +13,14 @@ looks finished), and an existing output is refused unless overwrite=True.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from ..atomic import DirectoryReplacement
 from ..quant.scheme import get_scheme
 from .gguf_blocks import gguf_block_type
-from .streaming import ConversionSummary, quantize_pretrained, tokenizer_files
+from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
 __all__ = ["FORMATS", "convert"]
 
@@ -42,6 +42,15 @@ def output_format(out, format: str | None = None) -> str:
     return "hf"
 
 
+def check_gguf_source(source) -> None:
+    """What the GGUF writer would refuse of the HF directory `source` (its architecture, config
+    or tokenizer), checked before the work of quantizing it: a ValueError."""
+    from .gguf_file import check_model
+
+    source = os.fspath(source)
+    check_model(_read_config(source), tokenizer_files(source))
+
+
 def check_gguf_plan(plan) -> None:
     """Every planned scheme has a GGUF block type; otherwise a ValueError naming the layers and
     the GGUF schemes."""
@@ -54,6 +63,19 @@ def check_gguf_plan(plan) -> None:
     if bad:
         label, (name, why) = next(iter(bad.items()))
         raise ValueError(f"--format gguf: {why} (layer {name!r})")
+
+
+@contextlib.contextmanager
+def scratch_directory(out) -> Iterator[str]:
+    """A private working directory beside `out`, removed when the block ends. It is a
+    fewbits.atomic.DirectoryReplacement of `out` that is never committed: named and locked as
+    the temporary directories of writes of `out` are, so a run killed outright leaves it to the
+    next write of `out` to remove (a staged model of many gigabytes included)."""
+    work = DirectoryReplacement(out, overwrite=True)
+    try:
+        yield work.tmp
+    finally:
+        work.abort()
 
 
 def _size_on_disk(path: str) -> int:
@@ -74,6 +96,14 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
     out = os.fspath(out)
     if os.path.lexists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    if fmt != "hf":
+        if os.path.isdir(out):
+            raise IsADirectoryError(f"{out} is a directory; a {fmt} model is one file: give its path")
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
+    if fmt == "gguf":
+        check_gguf_source(source)
     check = check_gguf_plan if fmt == "gguf" else None
     if fmt == "hf":
         summary = quantize_pretrained(source, out, scheme_or_rules, method=method, calibration=calibration,
@@ -81,25 +111,34 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
                                       progress=progress, check_plan=check, **options)
         summary.bytes = _size_on_disk(out)
         return summary
-    parent = os.path.dirname(os.path.abspath(out))
-    work = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.fewbits-convert-", dir=parent)
-    try:
+    with scratch_directory(out) as work:
         staged = os.path.join(work, "model")
-        summary = quantize_pretrained(source, staged, scheme_or_rules, method=method, calibration=calibration,
-                                      skip=skip, embeddings=embeddings, tied=tied, progress=progress,
-                                      check_plan=check, **options)
+        try:
+            summary = quantize_pretrained(source, staged, scheme_or_rules, method=method, calibration=calibration,
+                                          skip=skip, embeddings=embeddings, tied=tied, progress=progress,
+                                          check_plan=check, **options)
+        except OSError as e:
+            if work not in str(e):
+                raise
+            # a full disk while staging: name the output asked for, not the temporary directory
+            raise OSError(f"cannot write {out}: staging the quantized model beside it failed: "
+                          + str(e).replace(f"cannot write {staged}: ", "")) from None
         if fmt == "gguf":
             from transformers import AutoConfig
 
             from .gguf_file import write_gguf
+            # the source's tokenizer files (the staged copies are the same): errors name the source
             write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
-                       tokenizer=tokenizer_files(staged), overwrite=overwrite)
+                       tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
         else:
+            from safetensors import SafetensorError
+
             from .hf_quantizer import from_pretrained
             from .safetensors_format import save
-            save(from_pretrained(staged), out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            try:
+                save(from_pretrained(staged), out)
+            except SafetensorError as e:  # safetensors reports its I/O errors (a full disk) as its own
+                raise OSError(f"cannot write {out}: {e}") from None
     summary.bytes = _size_on_disk(out)
     summary.out = out
     return summary

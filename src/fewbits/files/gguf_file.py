@@ -713,6 +713,20 @@ def _check_config(cfg: dict, arch: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # write_gguf
 # ---------------------------------------------------------------------------------------------
+def _target(config, tokenizer) -> tuple[dict, str, _Vocab]:
+    cfg = _config_dict(config)
+    arch = _architecture(cfg)
+    _check_config(cfg, arch)
+    return cfg, arch, _vocabulary(tokenizer, cfg, arch)
+
+
+def check_model(config, tokenizer=None) -> None:
+    """What write_gguf checks before it reads a tensor -- the architecture, the config (activation,
+    rope type, sizes) and the tokenizer -- for checking before the work of quantizing: a
+    ValueError naming the problem and the supported choices."""
+    _target(config, tokenizer)
+
+
 def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: bool = False, progress=None,
                file_type=None) -> GGUFSummary:
     """Write a GGUF file at `path` that llama.cpp and transformers load (see the module docstring).
@@ -735,14 +749,26 @@ def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: boo
         raise IsADirectoryError(f"{path} is a directory; give the GGUF file's path")
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    cfg = _config_dict(config)
-    arch = _architecture(cfg)
-    _check_config(cfg, arch)
+    cfg, arch, vocab = _target(config, tokenizer)
     entries = _plan(tensors, cfg, arch)
-    vocab = _vocabulary(tokenizer, cfg, arch)
     if file_type is not None:
         _file_type(file_type, entries)
     report = counter(progress, len(entries), "writing GGUF")
+    try:
+        _write(gguf, path, tensors, cfg, arch, vocab, entries, file_type, report)
+    except OSError as e:  # a full disk: name the file (nothing of it is left, as replacing() removes it)
+        if e.filename is not None or path in str(e):
+            raise
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+    parameters = sum(math.prod(e.shape) for e in entries)
+    tensor_bytes = sum(e.nbytes for e in entries)
+    return GGUFSummary(path=path, architecture=ARCHITECTURES[arch], tensors=len(entries),
+                       types=dict(Counter(e.ggml for e in entries)), parameters=parameters,
+                       tensor_bytes=tensor_bytes, file_bytes=os.path.getsize(path),
+                       bits_per_parameter=tensor_bytes * 8 / parameters if parameters else float("nan"))
+
+
+def _write(gguf, path, tensors, cfg, arch, vocab, entries, file_type, report) -> None:
     with replacing(path) as tmp:
         w = gguf.GGUFWriter(tmp, ARCHITECTURES[arch])
         try:
@@ -760,9 +786,3 @@ def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: boo
                 report(done, e.gguf_name)
         finally:
             w.close()
-    parameters = sum(math.prod(e.shape) for e in entries)
-    tensor_bytes = sum(e.nbytes for e in entries)
-    return GGUFSummary(path=path, architecture=ARCHITECTURES[arch], tensors=len(entries),
-                       types=dict(Counter(e.ggml for e in entries)), parameters=parameters,
-                       tensor_bytes=tensor_bytes, file_bytes=os.path.getsize(path),
-                       bits_per_parameter=tensor_bytes * 8 / parameters if parameters else float("nan"))

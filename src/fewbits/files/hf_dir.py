@@ -248,8 +248,12 @@ class ShardWriter:
         from safetensors.torch import save_file
         if not self._shard:
             return
+        from safetensors import SafetensorError
         tmp_name = f"shard-{len(self._written):05d}.safetensors"
-        save_file(self._shard, os.path.join(self._dir.tmp, tmp_name), metadata={"format": "pt"})
+        try:
+            save_file(self._shard, os.path.join(self._dir.tmp, tmp_name), metadata={"format": "pt"})
+        except SafetensorError as e:  # safetensors reports its I/O errors (a full disk) as its own
+            raise OSError(f"cannot write {self.out_dir}: {e}") from None
         self._written.append((tmp_name, list(self._shard)))
         self._shard, self._shard_bytes, self._storages = {}, 0, set()
 
@@ -598,6 +602,20 @@ class HFTensors(Mapping):
     def _where_q(self, module: str, key: str) -> str:
         return self._qparts[module][key]
 
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None, str]:
+        """(shape, dtype, file) of an entry, from the headers and the quantization_config (no
+        data read): a quantized weight's original shape and dtype; dtype None for a safetensors
+        dtype torch has no name for here."""
+        if name in self._float:
+            path = self._float[name]
+            shape, dtype = self._header(path, name)
+            return shape, _ST_DTYPES.get(dtype), path
+        module = self._qt.get(name)
+        if module is None:
+            raise KeyError(name)
+        _, shape, dtype = self.quantized[module]
+        return tuple(shape), dtype, self._where_q(module, "codes")
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._order)
 
@@ -652,6 +670,37 @@ def empty_quantized_modules(model: nn.Module, plan: dict, where="quantization_co
     for name, m in new.items():
         set_submodule(model, name, m)
     return model
+
+
+def mismatches(model: nn.Module, tensors: HFTensors, names: Mapping[str, str] | None = None) -> list[str]:
+    """What the stored tensors would not fit in `model` (on the meta device or not), from the
+    headers only: for each {model state-dict name: stored name} of `names` (default: every name
+    both hold), a shape other than the model's, or a floating-point tensor of the model stored
+    as integers. One line per problem, naming the file."""
+    state = model.state_dict(keep_vars=True)
+    if names is None:
+        names = {n: n for n in state if n in tensors}
+    problems = []
+    for name, key in names.items():
+        want = state[name]
+        shape, dtype, path = tensors.info(key)
+        where = os.path.basename(path)
+        if tuple(shape) != tuple(want.shape):
+            problems.append(f"{key} ({where}): shape {list(shape)} stored, the model's config.json gives "
+                            f"{list(want.shape)}")
+        elif want.is_floating_point() and not (dtype is not None and dtype.is_floating_point):
+            problems.append(f"{key} ({where}): {_dtype_name(dtype) if dtype is not None else 'an unknown dtype'} "
+                            "stored for a floating-point tensor")
+    return problems
+
+
+def check_fits(model: nn.Module, tensors: HFTensors, names: Mapping[str, str] | None = None) -> None:
+    """mismatches() as one FileFormatError naming the directory (nothing when all fit)."""
+    problems = mismatches(model, tensors, names)
+    if problems:
+        raise FileFormatError(tensors.directory, f"the weights do not fit the model of config.json "
+                              f"({len(problems)} problem{'s' if len(problems) > 1 else ''}): "
+                              + "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
 
 
 def read_tensors(directory) -> HFTensors:

@@ -92,8 +92,13 @@ def model_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     from accelerate import init_empty_weights
 
     cls = model_class(config)
-    with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(config, dtype=dtype)
+    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
+        # a config.json of impossible sizes (negative, or beyond memory: the parameters are
+        # created, untouched, before they move to the meta device) or of missing fields
+        raise ValueError(f"cannot build {cls.__name__} from this configuration: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # as from_pretrained does: a tied head is the embedding's very Parameter
     return model.eval()
 
@@ -130,10 +135,13 @@ def _parameters_to_load(model: nn.Module, source: Mapping, plan: Mapping) -> dic
                 names[name] = aliases[name]
         else:
             missing.append(name)
+    where = getattr(source, "directory", "source")
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise FileFormatError(getattr(source, "path", "source"), f"the weights lack {len(missing)} tensor(s) of the "
-                              f"model: {shown}")
+        raise FileFormatError(where, f"the weights lack {len(missing)} tensor(s) of the model: {shown}")
+    if hasattr(source, "info"):
+        from .hf_dir import check_fits
+        check_fits(model, source, names)
     return names
 
 
@@ -161,9 +169,13 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(name)
 
 
-def _load(model: nn.Module, names, source: Mapping, dtype: torch.dtype) -> None:
+def _load(model: nn.Module, names, source: Mapping, dtype: torch.dtype, plan: Mapping | None = None) -> None:
+    plan = plan or {}
     for name in names:
         t = source[name]
+        if _owner_of(name, plan) is not None and t.numel() and not bool(torch.isfinite(t).all()):
+            where = f" ({source.info(name)[2]})" if hasattr(source, "info") else ""
+            raise ValueError(f"{name}{where}: the weight contains NaN or inf, which quantization cannot represent")
         _set_tensor(model, name, t.to(dtype) if t.is_floating_point() else t)
 
 
@@ -222,7 +234,10 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     out_dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(out_dtype, str):
         out_dtype = getattr(torch, out_dtype)
-    model = model_skeleton(copy.deepcopy(config), torch.float32)  # (building a model sets its config's dtype)
+    try:
+        model = model_skeleton(copy.deepcopy(config), torch.float32)  # (building a model sets its config's dtype)
+    except ValueError as e:
+        raise FileFormatError(os.path.join(source, "config.json"), str(e)) from None
     plan = resolve_plan(model, scheme_or_rules, skip, embeddings, tied=tied)
     if not plan:
         raise ValueError("no layer matched: nothing to quantize (check the rules and skip patterns)")
@@ -286,10 +301,20 @@ def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
             emit(name, t.to(out_dtype) if t.is_floating_point() else t)
             continue
         with torch.no_grad():
-            qt = quantize(t.to(torch.float32), plan[owner])
+            qt = _quantize_named(t.to(torch.float32), plan[owner], key, tensors)
         emit(name, _with_dtype(qt, out_dtype))
         done += 1
         report(done, owner)
+
+
+def _quantize_named(t: torch.Tensor, scheme, key: str, tensors) -> QuantizedTensor:
+    """quantize(t, scheme); a weight it cannot quantize (NaN or inf in it, a shape the scheme
+    cannot hold) is a ValueError naming the tensor and its file."""
+    try:
+        return quantize(t, scheme)
+    except ValueError as e:
+        where = f" ({tensors.info(key)[2]})" if hasattr(tensors, "info") else ""
+        raise ValueError(f"{key}{where}: {e}") from None
 
 
 def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
@@ -314,7 +339,7 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     for name in names:
         b = block_of(name)
         (outside if b is None else in_block[b]).append(name)
-    _load(model, outside, tensors, torch.float32)
+    _load(model, outside, tensors, torch.float32, plan)
     options = {k: v for k, v in options.items() if k in ("block_size", "damp", "act_order", "static_groups")}
     full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None, **options}
     modules = {n: model.get_submodule(n) for n in linear}
@@ -332,7 +357,7 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     cached = capture_block_inputs(model, blocks[0], batches)
     as_tuple = False
     for i, block in enumerate(blocks):
-        _load(model, in_block[i], tensors, torch.float32)
+        _load(model, in_block[i], tensors, torch.float32, plan)
         block_linear = {n: modules[n] for n in linear if block_of(n) == i}
         if block_linear:
             wrapper = _OneBlock(block)

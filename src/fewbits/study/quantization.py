@@ -135,6 +135,7 @@ def calibration_for_directory(source, text_file=None, batches: int = 8) -> list[
 
     source = Path(source)
     arch = " ".join(json.loads((source / "config.json").read_text()).get("architectures") or [])
+    _need_tokenizer(source, "GPTQ calibration")
     tokenizer = _load_part(source, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, local_files_only=True))
     if text_file is not None:
         try:
@@ -151,6 +152,17 @@ def calibration_for_directory(source, text_file=None, batches: int = 8) -> list[
     lines = ([ln.strip() for ln in text.splitlines() if ln.strip()][:16 * batches] if text_file is not None
              else pydoc_sentences(16 * batches, seed=1))
     return sentence_calibration(tokenizer, lines)
+
+
+def _need_tokenizer(source, what: str) -> None:
+    """A ValueError when the directory holds no tokenizer files (transformers would otherwise
+    make up an empty tokenizer, and the calibration would be empty)."""
+    from ..files.hf_dir import TOKENIZER_FILES
+    from ..files.streaming import tokenizer_files
+
+    if tokenizer_files(str(source)) is None:
+        raise ValueError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...): {what} turns "
+                         "text into the model's tokens and needs them; add the model's tokenizer files")
 
 
 GGUF_BUDGET_CANDIDATES = ("q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
@@ -172,9 +184,13 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     from ..files.gguf_file import MIXED_RECIPES, RECIPES, gguf_recipe
 
     tied = "untie" if fmt == "gguf" else "keep"
+    if fmt == "gguf":  # an architecture, config or tokenizer the GGUF writer refuses: before any work
+        from ..files.conversion import check_gguf_source
+        check_gguf_source(source)
     if budget is not None:
         if not 1 <= budget <= 32:
             raise ValueError(f"--budget is in bits per parameter (1..32), got {budget}")
+        _need_tokenizer(source, "--budget (measuring each layer's sensitivity)")
         config = AutoConfig.from_pretrained(source)
         if fmt == "gguf":
             rows = {getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0)}
