@@ -223,7 +223,11 @@ def test_a_full_disk_is_one_error_naming_the_output_and_the_old_output_stays(lla
     target = tmp_path / out
     assert run(["quantize", str(llama), "--scheme", "q8_0", "--out", str(target), "--quiet"])[0] == 0
     before = {p: (target / p).read_bytes() for p in os.listdir(target)} if target.is_dir() else target.read_bytes()
-    with mock.patch("safetensors.torch.save_file", _full_safetensors):
+    def full_disk(*args, **kwargs):  # hf_dir writes its shards itself
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch("safetensors.torch.save_file", _full_safetensors), \
+            mock.patch("fewbits.files.hf_dir.write_safetensors", full_disk):
         rc, _, err = run(["quantize", str(llama), "--scheme", "q4_0", "--out", str(target), "--overwrite", "--quiet"])
     assert rc == 1 and f"cannot write {target}" in err and "No space left on device" in err, err
     assert "unexpected" not in err and "fewbits-tmp" not in err

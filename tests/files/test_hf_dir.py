@@ -367,3 +367,23 @@ def test_parse_quantization_config_accepts_what_is_written():
     qc = fb.files.hf_dir.quantization_config({"m": fb.quantize(torch.randn(4, 64), "q4_1")})
     parsed = parse_quantization_config("x", json.loads(json.dumps(qc)))
     assert parsed["m"][0] == fb.get_scheme("q4_1") and parsed["m"][1:] == ((4, 64), torch.float32)
+
+
+def test_shards_written_from_the_tensors_memory_read_back_with_safetensors(tmp_path):
+    """hf_dir.write_safetensors writes the format itself (save_file copies every tensor first);
+    safetensors' own reader gives back every dtype, shape and byte, and the metadata."""
+    from safetensors import safe_open
+
+    from fewbits.files.hf_dir import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+               "f16": torch.randn(2, 2, 2, generator=g).half(), "u8": torch.arange(13, dtype=torch.uint8),
+               "i8": torch.tensor([-128, 5, 127], dtype=torch.int8), "b": torch.tensor([True, False]),
+               "scalar": torch.tensor(2.5), "empty": torch.empty(0, 4), "i64": torch.tensor([2 ** 40])}
+    write_safetensors(str(tmp_path / "x.safetensors"), tensors, metadata={"format": "pt"})
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for k, t in tensors.items():
+            back = f.get_tensor(k)
+            assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t), k

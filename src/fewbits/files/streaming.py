@@ -176,7 +176,22 @@ def _load(model: nn.Module, names, source: Mapping, dtype: torch.dtype, plan: Ma
         if _owner_of(name, plan) is not None and t.numel() and not bool(torch.isfinite(t).all()):
             where = f" ({source.info(name)[2]})" if hasattr(source, "info") else ""
             raise ValueError(f"{name}{where}: the weight contains NaN or inf, which quantization cannot represent")
-        _set_tensor(model, name, t.to(dtype) if t.is_floating_point() else t)
+        _set_tensor(model, name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+
+
+def _is_plain_embedding(model: nn.Module, name: str, plan: Mapping, shared_ok: bool) -> bool:
+    """Whether `name` is the weight of an nn.Embedding the plan keeps in float, whose weight no
+    other module computes with (a tied lm_head) unless shared_ok (the head never runs)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if leaf != "weight" or not isinstance(module, nn.Embedding) or module_name in plan:
+        return False
+    return shared_ok or not any(m is not module and getattr(m, "weight", None) is module.weight
+                                for m in model.modules())
+
+
+def _as_float32(module, args, output):
+    return output.to(torch.float32) if output.is_floating_point() else output
 
 
 def _unload(model: nn.Module, names) -> None:
@@ -339,7 +354,13 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     for name in names:
         b = block_of(name)
         (outside if b is None else in_block[b]).append(name)
-    _load(model, outside, tensors, torch.float32, plan)
+    # an embedding that stays in float is looked up in the source's dtype and its rows cast to
+    # float32 (the same values as a float32 table's rows, at half the memory for bf16 weights)
+    after = any(block_of(n) is None for n in linear)  # a pass of the whole model will run (a tied head too)
+    lookups = {n for n in outside if _is_plain_embedding(model, n, plan, shared_ok=not after)}
+    _load(model, [n for n in outside if n not in lookups], tensors, torch.float32, plan)
+    _load(model, lookups, tensors, None, plan)
+    hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
     options = {k: v for k, v in options.items() if k in ("block_size", "damp", "act_order", "static_groups")}
     full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None, **options}
     modules = {n: model.get_submodule(n) for n in linear}
@@ -397,6 +418,8 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
         else:
             t = run.originals.get(id(_tensor(model, name)), (None, _tensor(model, name)))[1]
             emit(name, t.detach().to(out_dtype) if t.is_floating_point() else t.detach())
+    for h in hooks:
+        h.remove()
     run.restore()
 
 
