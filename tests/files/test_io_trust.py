@@ -429,3 +429,42 @@ def test_another_users_directory_of_the_pattern_is_left_alone(tmp_path):
     os.chown(foreign, 65534, 65534)
     fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
     assert foreign.exists()
+
+
+@pytest.mark.parametrize("where", ["fb.load", "from_pretrained", "load_state_dict"])
+def test_a_nan_scale_in_a_file_is_refused(tmp_path, where):
+    """quantize() never stores a NaN or infinite scale; a crafted file's would load, then make
+    every output it touches NaN. Each reader refuses it, naming it."""
+    import fewbits as fb
+
+    qt = fb.quantize(torch.randn(8, 64), "q4_1")
+    bad = fb.QuantizedTensor.from_state_dict(qt.scheme, qt.shape, qt.dtype,
+                                             {**qt.state_dict(), "scales": qt.scales.clone().fill_(float("nan"))})
+    if where == "fb.load":
+        fb.save({"w": bad}, tmp_path / "x.safetensors")
+        with pytest.raises(fb.files.FileFormatError, match="NaN or infinite"):
+            fb.load(tmp_path / "x.safetensors")
+        return
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 8))
+    fb.quantize_model(layer, "q4_1")
+    state = {"0.qweight.codes": bad.codes, "0.qweight.scales": bad.scales, "0.qweight.minimums": bad.minimums,
+             "0.bias": layer[0].bias}
+    if where == "load_state_dict":
+        before = layer[0].qweight.scales.clone()
+        with pytest.raises(RuntimeError, match="NaN or infinite"):
+            layer.load_state_dict(state)
+        assert torch.equal(layer[0].qweight.scales, before)
+        return
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    fb.quantize_model(model, "q4_1")
+    fb.save_pretrained(model, tmp_path / "m")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.qweight.scales"
+    tensors[key] = torch.full_like(tensors[key], float("inf"))
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(fb.files.FileFormatError, match="NaN or infinite"):
+        fb.from_pretrained(tmp_path / "m")

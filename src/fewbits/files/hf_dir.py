@@ -49,7 +49,7 @@ from ..atomic import DirectoryReplacement
 from ..quant.modules import QuantEmbedding, QuantLinear
 from ..quant.plan import is_quantized, set_submodule
 from ..quant.scheme import QuantScheme
-from ..quant.tensor import QuantizedTensor, codes_outside_format, expected_keys, state_shapes
+from ..quant.tensor import QuantizedTensor, expected_keys, state_shapes, stored_problem
 from .safetensors_format import _FLOAT_DTYPES, FileFormatError, _dtype_name, _listing, _scheme_problem, _short
 
 QUANT_METHOD = "fewbits"
@@ -618,7 +618,7 @@ class HFTensors(Mapping):
             qt = QuantizedTensor.from_state_dict(scheme, shape, dtype, tensors)
         except (TypeError, ValueError) as e:
             raise FileFormatError(path, f"quantized weight {module!r}: {e}") from None
-        problem = codes_outside_format(qt)
+        problem = stored_problem(qt)
         if problem:
             raise FileFormatError(path, f"quantized weight {module!r}: {problem}")
         return qt

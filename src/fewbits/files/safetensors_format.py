@@ -42,7 +42,7 @@ from ..formats import FLOAT_DTYPES
 from ..quant.plan import is_quantized, quantized_module, set_submodule
 from ..quant.modules import QuantEmbedding
 from ..quant.scheme import QuantScheme
-from ..quant.tensor import STATE_KEYS, QuantizedTensor, codes_outside_format, expected_keys
+from ..quant.tensor import STATE_KEYS, QuantizedTensor, expected_keys, stored_problem
 
 FORMAT_MARKER = "fewbits"
 FORMAT_VERSION = 1
@@ -480,7 +480,7 @@ def _quantized_tensors(path, listed: dict, tensors: dict, prefix_fmt: str) -> di
             qt = QuantizedTensor.from_state_dict(scheme, shape, dtype, {k: tensors[prefix + k] for k in want})
         except (TypeError, ValueError, IndexError) as e:
             raise FileFormatError(path, f"{where}: {e}") from None
-        bad = codes_outside_format(qt)
+        bad = stored_problem(qt)
         if bad:
             raise FileFormatError(path, f"{where}: {bad}")
         for k in want:

@@ -63,7 +63,7 @@ from ..kernels import native
 from . import lowbit_ops as ops
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
-from .tensor import STATE_KEYS, QuantizedTensor, codes_outside_format, expected_keys, quantize
+from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
 KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
@@ -473,7 +473,7 @@ def _loaded_qweight(current: QuantizedTensor, tensors: dict, assign: bool, where
         error_msgs.append(f"While loading {where} ({current.scheme.label}, shape {tuple(current.shape)}): {e}")
         return None
     if qt.device.type != "meta":
-        problem = codes_outside_format(qt)
+        problem = stored_problem(qt)
         if problem:
             error_msgs.append(f"While loading {where}: {problem}")
             return None

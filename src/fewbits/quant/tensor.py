@@ -320,6 +320,20 @@ class QuantizedTensor:
 _CODE_CHUNK = 1 << 20  # element codes unpacked at a time by the range check
 
 
+def stored_problem(qt: QuantizedTensor) -> str | None:
+    """Why a QuantizedTensor read from a file cannot stand for a tensor, or None: element codes
+    outside their format (codes_outside_format), or a scale, minimum or tensor scale that is NaN
+    or infinite (quantize() never stores one: a crafted file's NaN scale would load, then turn
+    every output it touches into NaN)."""
+    problem = codes_outside_format(qt)
+    if problem:
+        return problem
+    for key, t in qt.state_dict().items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return f"its {key} hold NaN or infinite values"
+    return None
+
+
 def codes_outside_format(qt: QuantizedTensor) -> str | None:
     """Why the element codes do not all name values of the scheme's format, or None. Only a
     codebook with fewer than 2^bits values, or a format of 9 to 15 bits stored in 16-bit
