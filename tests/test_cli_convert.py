@@ -138,3 +138,20 @@ def test_a_budget_chooses_gguf_types_per_tensor(tiny, tmp_path):
     quantized = {v for k, v in types.items() if k.endswith("_proj.weight") or ".attn_" in k or ".ffn_" in k}
     assert quantized <= {"Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "F32"} and len(quantized - {"F32"}) >= 1
     assert json.loads(out)["bits_per_param"] > 0
+
+
+def test_scheme_and_compare_together_are_refused(tiny, tmp_path):
+    rc, out, err = run(["quantize", str(tiny), "--scheme", "int8", "--compare", "int4", "--out",
+                        str(tmp_path / "x.gguf"), "--quiet"])
+    assert rc == 2 and "give one of them" in err and os.listdir(tmp_path) == []
+
+
+def test_a_gguf_without_a_tokenizer_is_written_with_a_warning(tmp_path):
+    from fewbits.models import synthetic_llama_config, write_synthetic_llama
+
+    src = tmp_path / "src"
+    write_synthetic_llama(src, synthetic_llama_config("135m", hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                      num_key_value_heads=2, vocab_size=128))
+    rc, _, err = run(["quantize", str(src), "--scheme", "q8_0", "--out", str(tmp_path / "m.gguf"), "--quiet"])
+    assert rc == 0 and "no tokenizer files" in err and (tmp_path / "m.gguf").is_file()

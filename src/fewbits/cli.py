@@ -439,6 +439,7 @@ def _gb(n: float) -> str:
 def _quant_convert(args, out, say) -> int:
     """`fewbits quantize MODEL --scheme S --out OUT [--format F]`: write a deployable model."""
     from .files.conversion import convert, output_format, scratch_directory
+    from .files.streaming import tokenizer_files
     from .study import quantization as sq
 
     fmt = output_format(args.out, args.format)
@@ -451,6 +452,9 @@ def _quant_convert(args, out, say) -> int:
     with scratch_directory(args.out) as tmp:  # a GGUF source's float model (a kill leaves it to the next run)
         say(f"reading {args.model} ...")
         source = _quant_source(args.model, os.path.join(tmp, "model"))
+        if fmt == "gguf" and tokenizer_files(source) is None:
+            print(f"fewbits quantize: warning: {source} has no tokenizer files: the GGUF gets no vocabulary, so "
+                  "llama.cpp can load it but not turn text into tokens", file=sys.stderr)
         plan = sq.conversion_plan(source, args.scheme, fmt, budget=args.budget, progress=say)
         calibration = None
         if args.method == "gptq":
@@ -479,6 +483,8 @@ def cmd_quantize(args, out) -> int:
     if args.list:
         return _quant_list(args, out)
     args.model = args.model_path or args.model or "minilm"
+    if args.compare is not None and args.scheme:
+        raise ValueError("--scheme writes or measures one scheme, --compare measures several: give one of them")
     if args.out and args.compare is None and (args.scheme or args.budget is not None):
         return _quant_convert(args, out, Lines("fewbits", enabled=not args.quiet))
     if args.format or args.overwrite or args.calibration:
