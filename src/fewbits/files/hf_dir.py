@@ -375,6 +375,21 @@ def _write_tokenizer(tokenizer, directory: str) -> None:
         shutil.copyfile(os.path.join(src, name), os.path.join(directory, name))
 
 
+def model_class(architectures):
+    """The transformers class that builds a model of config.json's `architectures`: the first
+    one transformers has (LlamaForCausalLM, BertModel, ...), else AutoModelForCausalLM when a
+    name ends in ForCausalLM, else AutoModel."""
+    import transformers
+
+    names = [a for a in (architectures or []) if isinstance(a, str)]
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    causal = any(a.endswith("ForCausalLM") for a in names)
+    return transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+
+
 def model_tensors(model: nn.Module) -> dict:
     """The tensor mapping of a model: {state-dict name: tensor} with each quantized module `m`
     as one entry "m.weight" -> its QuantizedTensor (and its bias as "m.bias"). Tied weights the

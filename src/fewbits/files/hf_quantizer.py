@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import warnings
@@ -31,7 +32,7 @@ import warnings
 import torch
 from torch import nn
 
-from .hf_dir import CONFIG_NAME, read_tensors
+from .hf_dir import CONFIG_NAME, model_class, read_tensors
 from .safetensors_format import FileFormatError
 
 _TARGET = "transformers.quantizers.auto"
@@ -111,16 +112,10 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
         raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME), "no config.json: transformers "
                               "needs it to build the model")
     tensors.close()
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("from_pretrained() builds the model with transformers: pip install transformers") from None
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("from_pretrained() builds the model with transformers: pip install transformers")
     register()
-    archs = config.get("architectures") or []
-    cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
-    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
-        causal = any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
-        cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    cls = model_class(config.get("architectures"))
     device_map = {"": str(torch.device(device))}
     return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
                                device_map=device_map).eval()

@@ -41,6 +41,7 @@ from ..quant.gptq import (
 )
 from ..quant.plan import calibration_batches, resolve_plan
 from ..quant.tensor import QuantizedTensor, quantize
+from .hf_dir import model_class
 from .safetensors_format import FileFormatError
 
 __all__ = ["ConversionSummary", "model_skeleton", "quantize_pretrained"]
@@ -70,28 +71,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def model_class(config):
-    """The transformers class named first in config.architectures (LlamaForCausalLM, BertModel,
-    ...), or AutoModel when there is none."""
-    import transformers
-
-    names = list(getattr(config, "architectures", None) or [])
-    for name in names:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    if names:
-        raise ValueError(f"config.json names the architecture {names[0]!r}, which this transformers "
-                         f"({transformers.__version__}) does not know")
-    return transformers.AutoModel
-
-
 def model_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model of `config` with every parameter on the meta device (no memory) and its buffers
     (rotary frequencies, position ids) computed for real, in eval mode."""
     from accelerate import init_empty_weights
 
-    cls = model_class(config)
+    cls = model_class(getattr(config, "architectures", None))
     try:
         with init_empty_weights(include_buffers=False):
             model = cls._from_config(config, dtype=dtype)
