@@ -47,7 +47,7 @@ from .safetensors_format import FileFormatError
 __all__ = ["ConversionSummary", "model_skeleton", "quantize_pretrained"]
 
 METHODS = ("rtn", "gptq")
-STREAM_SHARD_BYTES = 1 << 30  # output shards of 1 GiB: the writer holds one while it fills
+STREAM_SHARD_BYTES = 1 << 29  # output shards of 512 MiB: the writer holds one while it fills
 
 
 @dataclasses.dataclass
