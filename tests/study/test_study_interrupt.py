@@ -23,7 +23,10 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a chi
 MARK = "MARK: waiting for SIGINT"
 
 SCRIPT = textwrap.dedent(f"""
-    import sys, time
+    import signal, sys, time
+    # a shell's background job starts with SIGINT ignored, and Python then installs no handler:
+    # the test's SIGINT would be lost whenever the suite itself runs in the background
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from fewbits.study import run as study_run
     from fewbits.study.run import PartOutput
     from fewbits.cli import main
