@@ -426,21 +426,7 @@ def _decode_k_fast(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dt
 def _decode_blocks_reference(blocks, type_name: str, shape, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
     """decode_blocks() as first written, through int64 values and encode(): the reference
     decode_blocks is tested against."""
-    if type_name not in GGUF_BLOCK_TYPES:
-        raise ValueError(f"unknown GGUF block type {type_name!r}; supported: {', '.join(GGUF_BLOCK_TYPES)}")
-    preset, _, type_size = GGUF_BLOCK_TYPES[type_name]
-    scheme = get_scheme(preset)
-    shape = tuple(int(s) for s in shape)
-    block = block_values(type_name)
-    if len(shape) == 0 or shape[-1] % block or any(s < 0 for s in shape):
-        raise ValueError(f"GGUF {type_name} holds rows of a multiple of {block} values; shape {shape} has not")
-    raw = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1)
-    rows, cols, _, groups = scheme.layout(shape)
-    count = rows * (cols // block)
-    if raw.size != count * type_size:
-        raise ValueError(f"GGUF {type_name} data for shape {shape} must be {count * type_size} bytes "
-                         f"({count} blocks of {type_size}), got {raw.size}")
-    b = raw.reshape(rows, cols // block, type_size)
+    b, scheme, shape = _check_decodable(blocks, type_name, shape)
     if scheme.super_block is not None:
         return _decode_k_reference(b, scheme, type_name, shape, dtype)
 
