@@ -475,10 +475,12 @@ class _HessianHooks:
             else:
                 X = x.detach().reshape(-1, x.shape[-1])
                 X = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
-                xtx, n = (X.T @ X).to(torch.float64), X.shape[0]
+                # the product in X's precision, kept so (half the memory of a float64 copy for
+                # float32 inputs) and added into the float64 sum, which widens it exactly
+                xtx, n = X.T @ X, X.shape[0]
                 self._last = (x, version, xtx, n)
             total = self.sums[name]
-            self.sums[name] = xtx.clone() if total is None else total.add_(xtx)
+            self.sums[name] = xtx.to(torch.float64, copy=True) if total is None else total.add_(xtx)
             self.counts[name] += n
             self._seen.add(name)
             if self.stop_after_all and len(self._seen) == len(self.modules):
