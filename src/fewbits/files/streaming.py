@@ -66,6 +66,26 @@ class ConversionSummary:
         return dataclasses.asdict(self)
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None where there is none. Freed tensors leave their memory to
+    glibc's heap, which hands it back to the system only when trimmed: without it a streamed
+    1B model's RTN run held 2.2 GB at the end, with it 1.5 GB."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed so far back to the system (see _malloc_trim)."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -303,6 +323,8 @@ def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
         with torch.no_grad():
             qt = _quantize_named(t.to(torch.float32), plan[owner], key, tensors)
         emit(name, _with_dtype(qt, out_dtype))
+        del qt, t
+        release_freed_memory()
         done += 1
         report(done, owner)
 
@@ -384,6 +406,7 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
         for p in block.parameters():
             run.originals.pop(id(p), None)
         _unload(model, in_block[i])
+        release_freed_memory()
     post = [n for n in linear if block_of(n) is None]
     if post:
         outputs = [entry[0] for entry in cached]
