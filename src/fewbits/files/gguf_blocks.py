@@ -237,15 +237,7 @@ def _encode_k_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
 def _encode_blocks_reference(qt: QuantizedTensor) -> np.ndarray:
     """encode_blocks() as first written, through the integer values (int_codes, int64): the
     reference encode_blocks is tested against."""
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"encode_blocks() takes a QuantizedTensor, got {type(qt).__name__}")
-    name = gguf_block_type(qt.scheme)
-    _, _, type_size = GGUF_BLOCK_TYPES[name]
-    shape = tuple(qt.shape)
-    block = block_values(name)
-    if len(shape) == 0 or shape[-1] % block:
-        raise ValueError(f"GGUF {name} needs rows of a multiple of {block} values (the last dimension); "
-                         f"shape {shape} has rows of {shape[-1] if shape else 0}")
+    name, shape, block, type_size = _check_encodable(qt)
     if qt.scheme.super_block is not None:
         blocks = _encode_k_reference(qt, name)
         assert blocks.shape[-1] == type_size
