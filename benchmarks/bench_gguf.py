@@ -55,7 +55,6 @@ import ctypes
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -91,14 +90,10 @@ def log(*args):
 # the machine
 # ---------------------------------------------------------------------------------------------
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """The CPU's model name, as fewbits.hardware reports it."""
+    from fewbits.hardware import machine_info
+
+    return machine_info("cpu")["name"]
 
 
 def cpu_flags() -> list[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -44,14 +43,10 @@ print(json.dumps(s.to_dict()))
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """The CPU's model name, as fewbits.hardware reports it."""
+    from fewbits.hardware import machine_info
+
+    return machine_info("cpu")["name"]
 
 
 def run_one(src: str, out: str, method: str, scheme: str, batches: int, seq: int) -> dict:
