@@ -1,0 +1,186 @@
+"""Greedy generation with a transformers causal LM, timed per phase, eager or compiled.
+
+Two ways to run the same greedy loop at batch 1 (one prompt, argmax of the last logits each
+step, `max_new_tokens` new tokens):
+
+- `greedy_generate(model, input_ids, n)`: eager, transformers' DynamicCache (or `cache="static"`),
+  the model called as it is. Its tokens equal `model.generate(input_ids, do_sample=False,
+  max_new_tokens=n)`'s.
+- `CompiledGenerator(model, max_cache_len)`: the fast decode path: a StaticCache allocated once
+  (fixed shapes, so one graph serves every decode step) and the model's forward compiled with
+  `torch.compile` (by default the decode step only; `compile_prefill=True` compiles the prompt's
+  forward too, a second graph for the prompt length). The first `generate` compiles; later ones
+  reuse the graphs. Whatever dynamo cannot trace (a ctypes call, torch.set_num_threads, a
+  data-dependent branch) splits the graph there and runs eagerly: `graph_breaks` lists each
+  reason and count seen while compiling (torch._dynamo's counters), so a caller can see how
+  much of the model really ran compiled. `fullgraph=True` makes a break an error instead.
+
+Timing (the same definition as the benchmarks use for llama.cpp): `prefill_seconds` is the wall
+time of the prompt's forward and the choice of the first new token; `decode_seconds` the wall
+time of the remaining `n - 1` single-token forwards (each ending in its argmax, so nothing is
+left queued). prefill tokens/s = prompt length / prefill_seconds; decode tokens/s = (n - 1) /
+decode_seconds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ._deps import TRANSFORMERS_HINT, require_modules
+
+__all__ = ["GenerationResult", "greedy_generate", "CompiledGenerator", "dynamo_graph_breaks"]
+
+
+@dataclass
+class GenerationResult:
+    """New token ids (1, n) and the phases' wall times; see the module's timing definition."""
+
+    tokens: torch.Tensor
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    graph_breaks: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def _check(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids must be a (1, prompt length) tensor of token ids (batch 1)")
+    if input_ids.shape[1] < 1:
+        raise ValueError("the prompt must hold at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if model.training:
+        raise ValueError("the model is in training mode; call model.eval() first")
+
+
+def _positions(start: int, length: int, device) -> torch.Tensor:
+    return torch.arange(start, start + length, device=device).unsqueeze(0)
+
+
+def _next_token(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+
+def _loop(forward, input_ids, max_new_tokens, cache, prefill=None) -> GenerationResult:
+    """The greedy loop; forward(ids, position_ids, cache) -> logits of the last position(s)."""
+    prefill = prefill or forward
+    n = input_ids.shape[1]
+    out = torch.empty(1, max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        token = _next_token(prefill(input_ids, _positions(0, n, input_ids.device), cache))
+        out[:, 0:1] = token
+        t1 = time.perf_counter()
+        for i in range(1, max_new_tokens):
+            token = _next_token(forward(token, _positions(n + i - 1, 1, input_ids.device), cache))
+            out[:, i:i + 1] = token
+        t2 = time.perf_counter()
+    return GenerationResult(out, n, t1 - t0, t2 - t1, max_new_tokens - 1)
+
+
+def _eager_forward(model):
+    def forward(ids, position_ids, cache):
+        return model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                     logits_to_keep=1).logits
+    return forward
+
+
+def _static_cache(model, max_cache_len: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache: str = "dynamic") -> GenerationResult:
+    """Greedy generation, eager, timed per phase. cache: "dynamic" (transformers' default) or
+    "static" (a StaticCache of prompt + max_new_tokens positions)."""
+    require_modules("greedy generation", ("transformers",), TRANSFORMERS_HINT)
+    from transformers import DynamicCache
+
+    _check(model, input_ids, max_new_tokens)
+    if cache == "dynamic":
+        kv = DynamicCache(config=model.config)
+    elif cache == "static":
+        kv = _static_cache(model, input_ids.shape[1] + max_new_tokens)
+    else:
+        raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
+    return _loop(_eager_forward(model), input_ids, max_new_tokens, kv)
+
+
+def dynamo_graph_breaks() -> dict:
+    """{reason: count} of the graph breaks torch._dynamo has counted since its counters were
+    last cleared (torch._dynamo.utils.counters["graph_break"])."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+class CompiledGenerator:
+    """Greedy generation through a StaticCache and a torch.compile'd forward (see the module).
+
+    model: a causal LM in eval mode (any fewbits-quantized one too). max_cache_len: the most
+    positions a generation holds (prompt + new tokens). mode, fullgraph, dynamic: passed to
+    torch.compile (dynamic=False: one graph per input shape, which static shapes make two at
+    most). compile_prefill: compile the prompt's forward too (else it runs eagerly, into the
+    same static cache).
+
+    `.graph_breaks` ({reason: count}) and `.graphs` (the number of graphs dynamo made) are
+    recorded during the first generate(), when the compiling happens; `.compile_seconds` is that
+    first call's wall time. Build it after setting torch's thread count: inductor's CPU code is
+    specialized on it.
+    """
+
+    def __init__(self, model, max_cache_len: int, mode: str | None = None, fullgraph: bool = False,
+                 dynamic: bool = False, compile_prefill: bool = False):
+        require_modules("compiled generation", ("transformers",), TRANSFORMERS_HINT)
+        if model.training:
+            raise ValueError("the model is in training mode; call model.eval() first")
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be an int >= 2, got {max_cache_len!r}")
+        self.model = model
+        self.max_cache_len = max_cache_len
+        self.mode, self.fullgraph, self.compile_prefill = mode, fullgraph, compile_prefill
+        self.cache = _static_cache(model, max_cache_len)
+        eager = _eager_forward(model)
+        self._eager = eager
+        self._compiled = torch.compile(eager, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        self.graph_breaks: dict | None = None
+        self.graphs: int | None = None
+        self.compile_seconds: float | None = None
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
+        _check(self.model, input_ids, max_new_tokens)
+        if input_ids.shape[1] + max_new_tokens > self.max_cache_len:
+            raise ValueError(f"prompt ({input_ids.shape[1]}) + new tokens ({max_new_tokens}) exceed "
+                             f"max_cache_len={self.max_cache_len}")
+        with torch.inference_mode():  # the cache's tensors are inference tensors
+            self.cache.reset()
+        first = self.graph_breaks is None
+        if first:
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+            t0 = time.perf_counter()
+        prefill = self._compiled if self.compile_prefill else self._eager
+        result = _loop(self._compiled, input_ids, max_new_tokens, self.cache, prefill=prefill)
+        if first:
+            self.compile_seconds = time.perf_counter() - t0
+            self.graph_breaks = dynamo_graph_breaks()
+            self.graphs = int(counters["stats"]["unique_graphs"])
+        result.graph_breaks = dict(self.graph_breaks)
+        return result
+
+    def warm_up(self, input_ids: torch.Tensor, max_new_tokens: int = 3) -> GenerationResult:
+        """One short generation, which compiles the graphs (prefill's too, if compiled)."""
+        return self.generate(input_ids, min(max_new_tokens, self.max_cache_len - input_ids.shape[1]))
