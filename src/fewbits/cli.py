@@ -716,6 +716,41 @@ def _bench_text(res) -> str:
     return "\n".join(lines)
 
 
+def _device_type(device: str) -> str:
+    import torch
+
+    return torch.device(device).type
+
+
+def _layer_batches(args) -> list[int]:
+    if args.no_layers:
+        return []
+    try:
+        batches = [int(b) for b in args.layer_batches.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) <= 0:
+        raise ValueError(f"--layer-batches takes positive integers such as 1,64, got {args.layer_batches!r}")
+    if args.layer_dim <= 0:
+        raise ValueError(f"--layer-dim must be positive, got {args.layer_dim}")
+    return batches
+
+
+def _layer_peers(args) -> list[str]:
+    from .study.layer_speed import BENCH_PEERS, PEERS_BY_LABEL
+
+    if args.layer_peers is None:
+        return list(BENCH_PEERS)
+    if args.layer_peers.strip().lower() == "none":
+        return []
+    peers = [p.strip() for p in args.layer_peers.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS_BY_LABEL]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(map(repr, unknown))} for --layer-peers; choose from "
+                         f"{', '.join(PEERS_BY_LABEL)}")
+    return peers
+
+
 def cmd_bench(args, out) -> int:
     from .hardware import MATMUL_DTYPES, MatmulShape, check_device, run_bench
 
@@ -725,13 +760,29 @@ def cmd_bench(args, out) -> int:
         raise ValueError(f"--budget and --buffer-mb must be positive, got {args.budget} and {args.buffer_mb}")
     check_device(args.device)
     _check_plot(args)
+    layer_batches = _layer_batches(args)
+    peers = _layer_peers(args)
     say = Lines("fewbits bench", enabled=not args.json)
     res = run_bench(shapes, dtypes, budget_s=args.budget, device=args.device, buffer_mb=args.buffer_mb,
                     progress=say)
+    layers = None
+    if layer_batches and _device_type(args.device) == "cpu":
+        from .study.layer_speed import BENCH_FEWBITS, layer_speed, linear_stack
+
+        layers = layer_speed(linear_stack(args.layer_dim, layers=1), layer_batches, BENCH_FEWBITS, peers,
+                             budget_s=args.budget, progress=say)
     if args.json:
-        _emit_json(res.as_dict(), out)
+        _emit_json(dict(res.as_dict(), layer_speed=layers), out)
     else:
-        print(_bench_text(res), file=out)
+        text = _bench_text(res)
+        if layers is not None:
+            from .study.layer_speed import layer_speed_text
+
+            text += "\n\n" + layer_speed_text(layers, render_table) + \
+                f"\nrel err: ||y - y_fp32|| / ||y_fp32|| at batch {layer_batches[0]}. Measured in {layers['seconds']:.0f} s."
+        elif layer_batches:
+            text += "\n\nlayer speed: measured on the CPU only (--device cpu)"
+        print(text, file=out)
     if args.plot:
         from .study.hardware_figures import save_roofline_figure
 
@@ -769,10 +820,13 @@ def _add_memory_and_bench(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     p.set_defaults(func=cmd_memory)
 
-    p = sub.add_parser("bench", help="this machine's memory bandwidth and matmul speed per precision, rooflines",
+    p = sub.add_parser("bench", help="this machine's memory bandwidth and matmul speed per precision, rooflines, "
+                                     "quantized layer speed beside bitsandbytes and torchao",
                        description="Measure memory bandwidth and matmul throughput per dtype (fp32, tf32, bf16, "
                                    "fp16, fp8, int8) as ratios to fp32, place matmul shapes on the roofline, "
-                                   "and list known accelerator peaks. Under a minute by default.")
+                                   "list known accelerator peaks, and time a 4096 x 4096 Linear in fewbits' "
+                                   "schemes beside the installed peers (one interleaved run, ratios to fp32). "
+                                   "About a minute by default.")
     p.add_argument("--shape", action="append", metavar="MxNxK",
                    help="matmul shape(s) to place on the roofline, repeatable (default 1x4096x4096 and "
                         "512x4096x4096)")
@@ -781,6 +835,14 @@ def _add_memory_and_bench(sub) -> None:
     p.add_argument("--buffer-mb", type=int, default=256, metavar="MIB",
                    help="bandwidth probe buffer (default 256; keep it above the caches)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--layer-dim", type=int, default=4096, metavar="N",
+                   help="layer speed: a Linear(N, N) in fp32, bf16 and fewbits' int8/w8a8/int4/nf4 beside the "
+                        "installed peers (bitsandbytes nf4, torchao int8/int4, quantize_dynamic) (default 4096)")
+    p.add_argument("--layer-batches", default="1,64", metavar="B,B", help="layer speed batch sizes (default 1,64)")
+    p.add_argument("--layer-peers", metavar="A,B", help="layer speed peers (default: quantize_dynamic, bnb nf4, "
+                                                         "torchao int8 wo, torchao int8 dyn, torchao int4 wo (cpu); "
+                                                         "none for none)")
+    p.add_argument("--no-layers", action="store_true", help="skip the layer speed section")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the rooflines")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_bench)

@@ -380,11 +380,21 @@ def rounding_speed(formats: Sequence[str], modes: Sequence[str], n: int, budget_
     return rows, n / copy_s / 1e6
 
 
+def layer_speed_part(ctx: StudyContext) -> dict:
+    """The speed part's layer table: a 4096 x 4096 Linear (2048 in a quick run) at batch 1 and 64,
+    fewbits' schemes beside the installed peers (the same function as `fewbits bench`)."""
+    from .layer_speed import BENCH_FEWBITS, BENCH_PEERS, layer_speed, linear_stack
+
+    return layer_speed(linear_stack(2048 if ctx.quick else 4096, layers=1), (1, 64), BENCH_FEWBITS, BENCH_PEERS,
+                       budget_s=0.3 if ctx.quick else 1.0, progress=lambda m: ctx.say(f"speed: {m}"))
+
+
 def part_speed(ctx: StudyContext) -> PartOutput:
     from .. import kernels
     from ..hardware import KNOWN_ACCELERATORS, run_bench
     from .charts import save_matmul_figure, save_rounding_figure
     from .hardware_figures import save_roofline_figure
+    from .layer_speed import layer_speed_rows
 
     out = PartOutput()
     res = run_bench(budget_s=0.3 if ctx.quick else 1.0, progress=lambda m: ctx.say(f"speed: {m}"))
@@ -402,6 +412,16 @@ def part_speed(ctx: StudyContext) -> PartOutput:
         ("dtype", "dtype", "text"), ("kernel", "kernel", "text"), ("n", "n", "int"), ("gflops", "GFLOP/s", "f1"),
         ("ratio", "× fp32", "x"), ("note", "note", "text")], shown,
         f"Memory bandwidth here: {bw['copy_gbs']:.3g} GB/s copy, {bw['read_gbs']:.3g} GB/s read.")
+    out.numbers["layer_speed"] = layers = layer_speed_part(ctx)
+    out.table(f"Layer speed beside the tools users would pick instead: {layers['stack']}, "
+              f"{layers['threads']} threads", [
+                  ("batch", "batch", "int"), ("label", "variant", "text"), ("kind", "from", "text"),
+                  ("kernel", "kernel", "text"), ("median_ms", "median ms", "f3"), ("x_fp32", "× fp32", "x"),
+                  ("bytes", "weights", "bytes"), ("rel_err", "rel err", "sci")], layer_speed_rows(layers),
+              "One interleaved run (round-robin, the order rotating): fewbits' QuantLinear in each scheme beside "
+              "bitsandbytes (eval mode, inference_mode), torchao (the layer in bfloat16, torch.compile'd) and torch's "
+              "quantize_dynamic; × fp32 is fp32's median time over the variant's. rel err: ||y − y_fp32|| / "
+              "||y_fp32||. Rows without a batch: peers that are not installed or do not run here, and why.")
     save_roofline_figure(res, ctx.out / "roofline.png")
     out.figure("roofline.png", "Rooflines: this machine beside known accelerators",
                "Left: each dtype's ceiling here (bandwidth × arithmetic intensity, capped by its measured peak), with "
@@ -439,6 +459,12 @@ def part_speed(ctx: StudyContext) -> PartOutput:
             ("first_call_s", "first call s", "f2")], rows,
             f"Best of repeated calls; the first call compiles the kernel (its own column). A float32 copy runs at "
             f"{copy_melems:,.0f} M values/s here.")
+    one = {r["label"]: r["x_fp32"] for r in layers["batches"].get("1", {}).get("rows", []) if r["x_fp32"]}
+    shown = [f"{label} {one[label]:.2f}×" for label in ("int4 g128", "nf4", "bnb nf4", "torchao int4 wo (cpu)")
+             if label in one]
+    if shown:
+        out.highlights.append(f"One token through {layers['stack']} ({layers['threads']} threads), as a multiple of "
+                              f"fp32's speed in one run: {', '.join(shown)}.")
     bf16 = res.matmuls.get("bf16")
     if bf16 is not None and bf16.available and bf16.ratio:
         out.highlights.append(f"bf16 matmuls run {bf16.ratio:.2f}× as fast as fp32 on this machine "
