@@ -836,12 +836,11 @@ def _add_memory_and_bench(sub) -> None:
                    help="bandwidth probe buffer (default 256; keep it above the caches)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--layer-dim", type=int, default=4096, metavar="N",
-                   help="layer speed: a Linear(N, N) in fp32, bf16 and fewbits' int8/w8a8/int4/nf4 beside the "
-                        "installed peers (bitsandbytes nf4, torchao int8/int4, quantize_dynamic) (default 4096)")
+                   help="layer speed: a Linear(N, N) in fp32, bf16 and fewbits' schemes beside the installed "
+                        "peers (bitsandbytes, torchao, quantize_dynamic) (default 4096)")
     p.add_argument("--layer-batches", default="1,64", metavar="B,B", help="layer speed batch sizes (default 1,64)")
-    p.add_argument("--layer-peers", metavar="A,B", help="layer speed peers (default: quantize_dynamic, bnb nf4, "
-                                                         "torchao int8 wo, torchao int8 dyn, torchao int4 wo (cpu); "
-                                                         "none for none)")
+    p.add_argument("--layer-peers", metavar="A,B", help="layer speed peers by label, comma-separated, or none "
+                                                         "(default: fewbits.study.layer_speed.BENCH_PEERS)")
     p.add_argument("--no-layers", action="store_true", help="skip the layer speed section")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the rooflines")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
