@@ -66,6 +66,8 @@ def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
     - bf16 activations / scales / results (int4pack, int8pack, bf16): each of x, the weight's
       scale (and zero) and the result is rounded to bfloat16 once, so
       |y - ref| <= 2^-9 * (|x| @ (|W| + B).T) + 2^-9 * |y| (+ second-order terms; 2^-8 covers them);
+      dequant beyond LUT4_MAX_BATCH rows on CPUs with hardware bf16 (its weight blocks and x
+      rounded to bfloat16 for the GEMM, the result too) has the same bound;
     - exact integer products (w8a8_*) and float32 decoding (dequant): only float32 summation
       order differs, |y - ref| <= K * 2^-24 * (|x| @ |W|.T) per output.
     """
@@ -80,7 +82,9 @@ def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
         xf = quantize(xf, module.scheme.activations).dequantize()
     mag = xf.abs() @ w_abs.T
     bias = module.bias.abs().float() if module.bias is not None else 0
-    if module.kernel in ("int4pack", "int8pack", "bf16") or x.dtype != torch.float32:
+    bf16_batch = (module.kernel == "dequant" and xf.shape[0] > qm.LUT4_MAX_BATCH and ops.fast_bf16_matmul()
+                  and module.scheme.activations is None)  # blocks decoded to bf16 for its GEMM
+    if module.kernel in ("int4pack", "int8pack", "bf16") or x.dtype != torch.float32 or bf16_batch:
         bound = weight_error_bound(qt) if module.kernel == "int4pack" else w_abs
         tol = BF16_EPS * (xf.abs() @ (w_abs + bound).T + ref.abs() + bias)
     else:
@@ -95,9 +99,14 @@ def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
 # which kernel runs what
 # ---------------------------------------------------------------------------------------------
 def test_auto_picks_torchs_kernels_here():
+    """fewbits' 4-bit C kernels where they are built (they beat tinygemm and compute the weights
+    exactly), torch's kernels for the rest; q4_k's two-level scales stay with tinygemm."""
+    from fewbits.kernels import native
     if ops.int4pack_layout() is None:
         pytest.skip("this torch has no int4 CPU packing")
-    want = {"int4": "int4pack", "int4_asym": "int4pack", "q4_1": "int4pack", "int4_g32": "int4pack", "int4_channel": "int4pack",
+    int4 = "dequant" if native.library() is not None else "int4pack"
+    want = {"int4": int4, "int4_asym": int4, "q4_1": int4, "int4_g32": int4, "int4_channel": int4, "q4_0": int4,
+            "q4_k": "int4pack",
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
             "w8a8": ("w8a8_onednn" if ops.onednn_int8_available() and qm.cpu_int8_gemm_exact("w8a8_onednn")
@@ -112,7 +121,7 @@ def test_shapes_the_kernels_cannot_take_fall_back():
     assert "int4pack" not in available_kernels(get_scheme("int4").with_(group_size=16), (64, 256))
     assert "int8pack" not in available_kernels("int8", (64, 100))        # K % 16 (torch reads past the row)
     assert available_kernels("int8", (64, 100))[0] == "dequant"
-    assert available_kernels(get_scheme("int8").with_(axis=1), (64, 96)) == ["dequant"]
+    assert available_kernels(get_scheme("int8").with_(axis=1), (64, 96)) == ["dequant", "dequant_fp32"]
     act_percentile = get_scheme("w8a8").activations.with_(scale_method="percentile")
     assert available_kernels(get_scheme("w8a8").with_(activations=act_percentile), (64, 96)) == ["dequant"]
     with pytest.raises(ValueError, match="cannot run"):
@@ -189,8 +198,8 @@ def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
     if native.library() is None:
         pytest.skip(native.status()["reason"])
     calls = []
-    real = native.lut4_matmul
-    monkeypatch.setattr(native, "lut4_matmul", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    real = native.Lut4Weight.matmul
+    monkeypatch.setattr(native.Lut4Weight, "matmul", lambda self, lib, x: calls.append(x.shape) or real(self, lib, x))
     used = 0
     for shape in [(64, 96), (48, 256), (32, 200)]:
         m = QuantLinear.from_linear(_linear(*shape, seed=shape[1]), name, kernel="dequant")
@@ -206,36 +215,43 @@ def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
         assert used, f"{name}: the fused matmul never ran"
     n_big = qm.LUT4_MAX_BATCH + 1  # beyond it: blocks decoded by C, then a GEMM
     decodes = []
-    real_decode = native.lut4_decode
-    monkeypatch.setattr(native, "lut4_decode", lambda *a, **k: decodes.append(a[-2:]) or real_decode(*a, **k))
-    m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant")
+    real_decode = native.Lut4Weight.decode
+    monkeypatch.setattr(native.Lut4Weight, "decode",
+                        lambda self, lib, r0, r1, dtype=torch.float32: decodes.append((r0, r1)) or real_decode(
+                            self, lib, r0, r1, dtype))
+    m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant_fp32")
     before = len(calls)
     assert_close_to_reference(m, _x((n_big, 256)))
     assert len(calls) == before and (decodes or not m._decoder.lut4)
 
 
-@pytest.mark.parametrize("name", FOUR_BIT)
+FOUR_BIT_ALL = [n for n in ALL_SCHEMES if get_scheme(n).format.bits == 4 and get_scheme(n).activations is None]
+
+
+@pytest.mark.parametrize("name", FOUR_BIT_ALL)
 def test_c_decode_of_4bit_codes_is_dequantize_bit_for_bit(name):
+    """The weight the 4-bit C kernels read (scales as stored in float32 / float16, MX / NVFP4
+    scale codes, integer zero points, float minimums, two-level k-quant scales) decodes to
+    dequantize()'s float32 weight bit for bit, and to its bfloat16 rounding."""
     from fewbits.kernels import native
     lib = native.library()
     if lib is None:
         pytest.skip(native.status()["reason"])
     for shape in [(64, 96), (48, 256), (32, 200), (17, 512)]:
-        qt = quantize(torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 3, name)
-        dec = qm._RowDecoder(qt)
-        if not dec.lut4:
+        lin = _linear(*shape, seed=shape[1])
+        m = QuantLinear.from_linear(lin, name, kernel="dequant")
+        if m._decoder is None or not m._decoder.lut4:
             continue
-        scales, offsets = dec.params()
-        assert offsets == (None, None), name  # symmetric 4-bit: a scale per group, nothing else
-        coded = dec.coded_scales()
-        for sc_arg in ([scales] + ([coded] if coded is not None else [])):
-            w = native.lut4_decode(lib, qt.codes, sc_arg, ops.value_table(dec.fmt), shape[0], dec.row_len,
-                                   dec.group_len, 0, shape[0])[:, : shape[1]]
-            ref = qt.dequantize(torch.float32)
-            assert torch.equal(w.view(torch.int32), ref.view(torch.int32)), (name, shape)
-            part = native.lut4_decode(lib, qt.codes, sc_arg, ops.value_table(dec.fmt), shape[0], dec.row_len,
-                                      dec.group_len, 5, 9)[:, : shape[1]]
-            assert torch.equal(part, ref[5:9])
+        w = m._lut4_weight(lib)
+        ref = m.qweight.dequantize(torch.float32)
+        got = w.decode(lib, 0, shape[0])[:, : shape[1]]
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (name, shape)
+        part = w.decode(lib, 5, 9)[:, : shape[1]]
+        assert torch.equal(part, ref[5:9])
+        b = w.decode(lib, 0, shape[0], torch.bfloat16)[:, : shape[1]]
+        assert torch.equal(b.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16)), (name, shape)
+        x = _x((3, shape[1]))  # the fused matmul reads the same weight
+        torch.testing.assert_close(w.matmul(lib, x), x @ ref.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_w8a8_activation_quantization_equals_quantize_exactly():

@@ -137,6 +137,12 @@ def cache_dir() -> Path:
     return _cache_root() / LIBRARY_DIR
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -493,6 +499,17 @@ def _warn_refused(e: _Refused) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def declare_lut4(lib: ctypes.CDLL) -> None:
+    """The argument types of lut4.c's functions (also for a build of lut4.c alone, as the tests
+    make one per instruction set)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    params = ctypes.POINTER(_Lut4Params)
+    lib.fb_lut4_matmul.argtypes = [p, i64, i64, p, params, p, i64, i64, i64, i64, p]
+    lib.fb_lut4_matmul.restype = i32
+    lib.fb_lut4_decode.argtypes = [p, params, p, i64, i64, i64, i64, p, i32]
+    lib.fb_lut4_decode.restype = i32
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.fb_row_absmax.argtypes = [p, i64, i64, i64, p]
@@ -503,10 +520,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_quantize_rows_int8.restype = None
     lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
     lib.fb_scale_rows.restype = None
-    lib.fb_lut4_matmul.argtypes = [p, p, p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p, i64, i64]
-    lib.fb_lut4_matmul.restype = i32
-    lib.fb_lut4_decode.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, p]
-    lib.fb_lut4_decode.restype = i32
+    declare_lut4(lib)
     u32 = ctypes.c_uint32
     lib.fb_round_float_f32.argtypes = [p, p, i64, p, i32, i32, u32, u32]
     lib.fb_round_float_f32.restype = i32
@@ -639,79 +653,127 @@ def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
     return y
 
 
-LUT4_MAX_ROWS = 8  # rows of x per call of the C kernel (more: call it again)
-
-
 def lut4_supported(row_len: int, group: int) -> bool:
     """Whether fb_lut4_matmul takes rows of `row_len` codes in groups of `group`."""
     return row_len % 32 == 0 and group % 16 == 0 and group >= 16 and row_len % group == 0
 
 
+class _Lut4Params(ctypes.Structure):
+    """lut4.c's Params: per-group scales (or byte codes of them), zero points, minimums."""
+    _fields_ = [("s", ctypes.c_void_p), ("z", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("s_kind", ctypes.c_int32), ("z_kind", ctypes.c_int32), ("m_kind", ctypes.c_int32),
+                ("s_codes", ctypes.c_void_p), ("s_table", ctypes.c_void_p), ("s_mul", ctypes.c_float)]
+
+
+_PARAM_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # lut4.c's P_F32, P_F16, P_BF16
+
+
+class Lut4Weight:
+    """A weight W [n, row_len] of 4-bit codes of a 16-value table with per-group parameters
+    (`group` columns each), W[r, c] = ((table[code] - zero_point) * scale) + minimum, each
+    operation one float32 rounding (QuantizedTensor.dequantize()'s; no zero point / minimum
+    where None), prepared for lut4.c: the arguments are checked and converted once, so that a
+    call costs one C call.
+
+    codes: uint8, packed low-first, row_len / 2 bytes per row. scales, zero_points, minimums:
+    [n or 1, groups] in float32, float16 or bfloat16 (read as they are stored; zero points as
+    float values). The scales may instead be a tuple (byte codes [n, groups], float32 table
+    [256], multiplier), each scale table[code] * multiplier (one float32 product: MX, NVFP4).
+    The tensors are referenced, not copied, where they already have the layout the C code
+    reads (n rows, contiguous)."""
+
+    def __init__(self, codes: torch.Tensor, scales, table: torch.Tensor, n: int, row_len: int, group: int,
+                 zero_points: torch.Tensor | None = None, minimums: torch.Tensor | None = None):
+        if not lut4_supported(row_len, group):
+            raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
+        if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
+            raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
+        self.n, self.row_len, self.group = int(n), int(row_len), int(group)
+        groups = row_len // group
+        self._keep = []
+        p = _Lut4Params()
+        if isinstance(scales, tuple):
+            scale_codes, scale_table, scale_mul = scales
+            scale_codes = scale_codes.reshape(-1).contiguous()
+            scale_table = scale_table.to(torch.float32).contiguous()
+            if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
+                raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
+            self._keep += [scale_codes, scale_table]
+            p.s_codes, p.s_table, p.s_mul = scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul)
+        else:
+            p.s, p.s_kind = self._param(scales, n, groups, "scales")
+        if zero_points is not None:
+            p.z, p.z_kind = self._param(zero_points, n, groups, "zero_points")
+        if minimums is not None:
+            p.m, p.m_kind = self._param(minimums, n, groups, "minimums")
+        self._params = p
+        self._params_ref = ctypes.byref(p)
+        table = table.to(torch.float32).contiguous()
+        if table.numel() != 16:
+            raise ValueError(f"the table needs 16 values, got {table.numel()}")
+        self._table = table
+        self._codes = codes.contiguous()
+
+    def _param(self, t: torch.Tensor, n: int, groups: int, what: str) -> tuple[int, int]:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _PARAM_KINDS or t.device.type != "cpu":
+            raise ValueError(f"{what} must be a CPU float32, float16 or bfloat16 tensor")
+        if t.numel() not in (groups, n * groups):
+            raise ValueError(f"{what} needs {groups} or {n * groups} values, got {t.numel()}")
+        t = t.reshape(-1, groups).expand(n, groups).contiguous()
+        self._keep.append(t)
+        return t.data_ptr(), _PARAM_KINDS[t.dtype]
+
+    def matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+        """x [M, k <= row_len] float32 @ W.T -> [M, n] float32 (columns from k on are padding:
+        x is read as zero there). The output rows are shared out over torch's OpenMP threads
+        (where the library was built with OpenMP)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > self.row_len or x.device.type != "cpu":
+            raise ValueError(f"x must be CPU float32 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        rc = lib.fb_lut4_matmul(x.data_ptr(), x.stride(0), x.shape[1], self._codes.data_ptr(), self._params_ref,
+                                self._table.data_ptr(), m, self.n, self.row_len, self.group, y.data_ptr())
+        if rc:
+            raise (MemoryError("fb_lut4_matmul could not allocate its copy of x") if rc == -2
+                   else RuntimeError("fb_lut4_matmul refused its arguments"))
+        return y
+
+    def decode(self, lib: ctypes.CDLL, r0: int, r1: int, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows r0..r1 of W decoded to [r1 - r0, row_len] (padding columns included): float32
+        bit-identical to QuantizedTensor.dequantize(), or bfloat16 equal to that float32
+        weight's .to(torch.bfloat16) for numbers (round to nearest even; NaN -> 0x7FC0).
+        `out`: a contiguous CPU tensor of at least that many values to decode into (its first
+        ones; a buffer reused from block to block spares the page faults of fresh memory)."""
+        if not 0 <= r0 <= r1 <= self.n:
+            raise ValueError(f"rows {r0}..{r1} out of 0..{self.n}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"lut4 decodes to float32 or bfloat16, not {dtype}")
+        count = (r1 - r0) * self.row_len
+        if out is None:
+            out = torch.empty(r1 - r0, self.row_len, dtype=dtype)
+        else:
+            if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < count:
+                raise ValueError(f"out must be a contiguous CPU {dtype} tensor of at least {count} values")
+            out = out.reshape(-1)[:count].view(r1 - r0, self.row_len)
+        if lib.fb_lut4_decode(self._codes.data_ptr(), self._params_ref, self._table.data_ptr(), self.row_len,
+                              self.group, r0, r1, out.data_ptr(), 1 if dtype == torch.bfloat16 else 0):
+            raise RuntimeError("fb_lut4_decode refused its arguments")
+        return out
+
+
 def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales, table: torch.Tensor, n: int,
                 row_len: int, group: int) -> torch.Tensor:
-    """x [M, k <= row_len] float32 @ W.T -> [M, n] float32, W[r, c] = table[code] * scale[r,
-    c // group] with 4-bit codes packed low-first, row_len / 2 bytes per row (columns from k on
-    are padding: x is read as zero there). `scales`: float32 [n or 1, groups], or a tuple
-    (byte codes [n, groups], float32 table [256], multiplier) for scales kept coded, each
-    table[code] * multiplier (one float32 product). The output rows are shared out over torch's
-    OpenMP threads (where the library was built with OpenMP)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > row_len:
-        raise ValueError(f"x must be float32 [M, <= {row_len}], got {x.dtype} {tuple(x.shape)}")
-    if not lut4_supported(row_len, group):
-        raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
-    if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
-        raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
-    scale_args, keep = _lut4_scale_args(scales, n, row_len // group)
-    table = _lut4_table(table)
-    codes = codes.contiguous()
-    m_all = x.shape[0]
-    y = torch.empty(m_all, n, dtype=torch.float32)
-    for m0 in range(0, m_all, LUT4_MAX_ROWS):
-        xs = x[m0:m0 + LUT4_MAX_ROWS]
-        xp = torch.nn.functional.pad(xs, (0, row_len - xs.shape[1])) if xs.shape[1] < row_len else xs
-        xe, xo = xp[:, 0::2].contiguous(), xp[:, 1::2].contiguous()
-        out = y[m0:m0 + LUT4_MAX_ROWS]
-        if lib.fb_lut4_matmul(xe.data_ptr(), xo.data_ptr(), codes.data_ptr(), *scale_args, table.data_ptr(),
-                              xs.shape[0], n, row_len, group, out.data_ptr(), 0, n):
-            raise RuntimeError("fb_lut4_matmul refused its arguments")
-    return y
-
-
-def _lut4_scale_args(scales, n: int, groups: int):
-    """(the four scale arguments of the C functions, the tensors they point into)."""
-    if isinstance(scales, tuple):
-        scale_codes, scale_table, scale_mul = scales
-        scale_codes = scale_codes.reshape(-1).contiguous()
-        scale_table = scale_table.to(torch.float32).contiguous()
-        if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
-            raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
-        return (None, scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul)), (scale_codes, scale_table)
-    scales = scales.to(torch.float32).reshape(-1, groups).expand(n, groups).contiguous()
-    return (scales.data_ptr(), None, None, 1.0), (scales,)
-
-
-def _lut4_table(table: torch.Tensor) -> torch.Tensor:
-    table = table.to(torch.float32).contiguous()
-    if table.numel() != 16:
-        raise ValueError(f"the table needs 16 values, got {table.numel()}")
-    return table
+    """Lut4Weight(codes, scales, table, n, row_len, group).matmul(lib, x)."""
+    return Lut4Weight(codes, scales, table, n, row_len, group).matmul(lib, x)
 
 
 def lut4_decode(lib: ctypes.CDLL, codes: torch.Tensor, scales, table: torch.Tensor, n: int, row_len: int,
-                group: int, r0: int, r1: int) -> torch.Tensor:
-    """Rows r0..r1 of the weight lut4_matmul reads, decoded to float32 [r1 - r0, row_len],
-    bit-identical to QuantizedTensor.dequantize() (padding columns included)."""
-    if not lut4_supported(row_len, group):
-        raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
-    if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2 or not 0 <= r0 <= r1 <= n:
-        raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes, 0 <= r0 <= r1 <= {n}")
-    scale_args, keep = _lut4_scale_args(scales, n, row_len // group)
-    table = _lut4_table(table)
-    codes = codes.contiguous()
-    out = torch.empty(r1 - r0, row_len, dtype=torch.float32)
-    if lib.fb_lut4_decode(codes.data_ptr(), *scale_args, table.data_ptr(), row_len, group, r0, r1, out.data_ptr()):
-        raise RuntimeError("fb_lut4_decode refused its arguments")
-    return out
+                group: int, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Lut4Weight(codes, scales, table, n, row_len, group).decode(lib, r0, r1, dtype)."""
+    return Lut4Weight(codes, scales, table, n, row_len, group).decode(lib, r0, r1, dtype)
 
 
 # --- rounding of float32 values (round32.c) ------------------------------------------------

@@ -65,7 +65,7 @@ from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
-KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant")
+KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 _ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
 
@@ -154,17 +154,36 @@ class _RowDecoder:
     def __init__(self, qt: QuantizedTensor):
         s = qt.scheme
         rows, cols = qt.shape
-        _, _, pcols, groups = s.layout(qt.shape)
         self.qt, self.fmt, self.rows, self.cols = qt, s.format, rows, cols
-        if s.granularity in ("tensor", "channel"):
-            self.row_len, self.groups = cols, 1
-        else:
-            self.row_len, self.groups = pcols, groups
+        self.row_len, self.groups = self.row_layout(s, qt.shape)
         self.group_len = self.row_len // self.groups if self.groups else 0
         bits = self.fmt.bits
         self.row_bytes = (self.row_len * bits // 8) if bits <= 8 and (self.row_len * bits) % 8 == 0 else None
-        # 4-bit codes scaled per group, no zero point or minimum: the fused C matmul can read them
-        self.lut4 = bits == 4 and s.symmetric and native.lut4_supported(self.row_len, self.group_len)
+        self.lut4 = self.lut4_shape(s, qt.shape)
+
+    @staticmethod
+    def row_layout(s: QuantScheme, shape) -> tuple[int, int]:
+        """(codes per row, groups per row) of a 2-d weight's codes."""
+        _, _, pcols, groups = s.layout(tuple(shape))
+        return (int(shape[1]), 1) if s.granularity in ("tensor", "channel") else (pcols, groups)
+
+    @staticmethod
+    def lut4_shape(s: QuantScheme, shape) -> bool:
+        """Whether fewbits' 4-bit C kernels can read this weight's codes (4-bit codes, rows of a
+        multiple of 32 in groups of a multiple of 16, any zero point or minimum per group)."""
+        if s.format.bits != 4 or len(shape) != 2 or s.scale_format == "none":
+            return False
+        row_len, groups = _RowDecoder.row_layout(s, shape)
+        return bool(groups) and native.lut4_supported(row_len, row_len // groups)
+
+    @staticmethod
+    def lut4_params_held(s: QuantScheme) -> bool:
+        """Whether the C kernels read this scheme's scales (and minimums) as the QuantizedTensor
+        stores them (float32 / float16 / bfloat16 values, or MX / NVFP4 byte codes): nothing is
+        derived that would cost memory or time per call (zero points, small, excepted)."""
+        plain = s.scale_format in ("fp32", "fp16", "bf16") and s.granularity in ("group", "channel", "tensor")
+        coded = s.granularity in ("mx", "nvfp4")
+        return not s.double_quant and s.super_block is None and (plain or coded)
 
     def coded_scales(self):
         """(byte codes [rows, groups], float32 table [256], multiplier) for MX and NVFP4 scales,
@@ -227,12 +246,14 @@ class _RowDecoder:
         return self._finish(v, scales, zps, index)
 
 
-LUT4_MAX_BATCH = 12  # up to this many rows of x the fused 4-bit matmul beats C decode + MKL GEMM here
+LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
 
 
-def _rows_per_block(row_len: int, bits: int) -> int:
-    """Rows per decoded block: about _ROW_BLOCK_VALUES values, starting on whole bytes."""
-    rows = max(1, _ROW_BLOCK_VALUES // max(row_len, 1))
+def _rows_per_block(row_len: int, bits: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per decoded block: about _ROW_BLOCK_VALUES values (twice as many in bfloat16, whose
+    GEMM wants wider blocks), starting on whole bytes."""
+    values = _ROW_BLOCK_VALUES * (2 if dtype == torch.bfloat16 else 1)
+    rows = max(1, values // max(row_len, 1))
     if bits <= 8:
         step = 8 // math.gcd(row_len * bits, 8)
         rows = max(step, rows // step * step)
@@ -343,14 +364,24 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
                 out.append("w8a8_int_mm")
         out.append("dequant")
         return out
+    if _lut4_first(s, (n, k)):
+        out.append("dequant")  # fewbits' 4-bit C kernels: faster than tinygemm at every batch, exact
     if _int4_op_group(s, k) is not None and n % ops.INT4_N_MULTIPLE == 0 and ops.int4pack_layout() is not None:
         out.append("int4pack")
     if _int8_weight(s) and k % ops.INT8PACK_K_MULTIPLE == 0 and ops.int8pack_available():
         out.append("int8pack")
     if _is_bf16_cast(s):
         out.append("bf16")
-    out.append("dequant")
-    return out
+    return list(dict.fromkeys(out + ["dequant", "dequant_fp32"]))
+
+
+def _lut4_first(s: QuantScheme, shape) -> bool:
+    """Whether the dequant kernel runs this 4-bit weight through fewbits' C kernels with its
+    parameters as stored: then it beats torch's int4 kernel (tinygemm) at one row and, with
+    blocks decoded to bfloat16, at large batches (benchmarks/bench_linear.py), and computes the
+    weights exactly."""
+    return (_RowDecoder.lut4_shape(s, shape) and _RowDecoder.lut4_params_held(s)
+            and native.library() is not None)
 
 
 def _codes_from_int4pack(n: int, k_op: int, code_cols: int, symmetric: bool, kernel_tensors: dict) -> torch.Tensor:
@@ -520,6 +551,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
     def _install(self, qweight: QuantizedTensor, kernel: str) -> None:
         self.kernel = kernel
         self._decoder = None
+        self._lut4w = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
 
     def __getstate__(self):
@@ -528,6 +560,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         qweight = state.pop("_qweight")
         state["_qweight"] = qweight.plain() if isinstance(qweight, KernelQuantizedTensor) else qweight
         state.pop("_decoder", None)
+        state.pop("_lut4w", None)
         return state
 
     def __setstate__(self, state):
@@ -588,6 +621,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if _RowDecoder.supports(qt):
             self._decoder = _RowDecoder(qt)
         return qt
+
+    _build_dequant_fp32 = _build_dequant
 
     def _build_bf16(self, qt: QuantizedTensor) -> QuantizedTensor:
         w = qt.codes.view(torch.bfloat16).view(self.out_features, self.in_features)
@@ -728,44 +763,77 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         with ops.one_thread_if_small(acc.numel()):
             return _rescaled(acc.to(torch.float32).mul_(kt["weight_scales"]), sx.unsqueeze(1), bias, dtype)
 
+    def _lut4_weight(self, lib):
+        """The weight prepared for fewbits' 4-bit C kernels, or None where the codes cannot go
+        through them. Kept from call to call where it reads the parameters as stored (see
+        _RowDecoder.lut4_params_held; float32 zero points, at most 1/8 of the codes' bytes, are
+        kept too); otherwise the derived parameters are computed again for each call."""
+        if lib is None:
+            return None
+        w = self._lut4w
+        if w is not None:
+            return w
+        qt, dec, s = self._qweight, self._decoder, self.scheme
+        held = _RowDecoder.lut4_params_held(s)
+        with ops.one_thread():  # small next to the codes: a parallel region costs more
+            coded = dec.coded_scales()
+            if coded is not None:  # MX / NVFP4 scales: decoded inside the kernels, a row at a time
+                scales = coded
+            else:
+                scales = qt.scales if held else qt.scale_values()
+            zps = qt.zero_point_values()
+            zps = zps.to(torch.float32) if zps is not None else None
+            mins = qt.minimums if held and s.zero_point == "float" else qt.minimum_values()
+        w = native.Lut4Weight(qt.codes, scales, ops.value_table(dec.fmt), self.out_features, dec.row_len,
+                              dec.group_len, zero_points=zps, minimums=mins)
+        if held and (zps is None or 4 * zps.numel() * 8 <= qt.codes.numel()):
+            self._lut4w = w
+        return w
+
     def _forward_dequant(self, x2d, bias, dtype):
+        bf16 = self.scheme.activations is None and x2d.device.type == "cpu" and ops.fast_bf16_matmul()
+        return self._dequant_matmul(x2d, bias, dtype, bf16)
+
+    def _forward_dequant_fp32(self, x2d, bias, dtype):
+        return self._dequant_matmul(x2d, bias, dtype, False)
+
+    def _dequant_matmul(self, x2d, bias, dtype, bf16_batches: bool):
         if self.scheme.activations is not None:
             x2d = quantize(x2d, self.scheme.activations).dequantize(x2d.dtype)
         dec = self._decoder
         if dec is None:
             return _with_bias(F.linear(x2d, self._qweight.dequantize(x2d.dtype)), bias, dtype)
-        n = self.out_features
+        n, rows = self.out_features, x2d.shape[0]
         lib = native.library() if dec.lut4 and x2d.device.type == "cpu" else None
-        if lib is not None:  # 4-bit codes: the C kernels decode them (fewbits.kernels.native)
-            coded = dec.coded_scales()
-            if coded is not None:  # MX / NVFP4 scales: decoded inside the kernels, a row at a time
-                scales = coded
-            else:
-                with ops.one_thread():  # small next to the codes: a parallel region costs more
-                    scales, _ = dec.params()
-            codes, table = self._qweight.codes, ops.value_table(dec.fmt)
-            if x2d.dtype == torch.float32 and x2d.shape[0] <= LUT4_MAX_BATCH:
-                # the codes read once per 8 rows of x, never decoded to memory
-                y = native.lut4_matmul(lib, x2d, codes, scales, table, n, dec.row_len, dec.group_len)
-                with ops.one_thread_if_small(y.numel()):
-                    return _with_bias(y, bias, dtype)
-
+        w = self._lut4_weight(lib)
+        if w is not None and rows <= LUT4_MAX_BATCH and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # the codes read once per 8 rows of x, never decoded to memory (x in float32: exact)
+            y = w.matmul(lib, x2d if x2d.dtype == torch.float32 else x2d.to(torch.float32))
+            with ops.one_thread_if_small(y.numel()):
+                return _with_bias(y, bias, dtype)
+        # blocks of rows decoded, each multiplied at once: in bfloat16 for float32 batches of
+        # more than LUT4_MAX_BATCH rows where asked, else in x's dtype
+        bf16 = bf16_batches and x2d.dtype == torch.float32 and rows > LUT4_MAX_BATCH
+        mm_dtype = torch.bfloat16 if bf16 else x2d.dtype
+        if w is not None and mm_dtype in (torch.float32, torch.bfloat16):
             def block(r0, r1):
-                return native.lut4_decode(lib, codes, scales, table, n, dec.row_len, dec.group_len, r0, r1)[:, : dec.cols]
+                return w.decode(lib, r0, r1, mm_dtype)[:, : dec.cols]
         else:
             scales, zps = dec.params()
 
             def block(r0, r1):
                 with ops.one_thread_if_small(0):  # a block is small: decoding it gains little from threads
-                    return dec.block(r0, r1, scales, zps)
-        step = _rows_per_block(dec.row_len, dec.fmt.bits)
+                    return dec.block(r0, r1, scales, zps).to(mm_dtype)
+        with ops.one_thread_if_small(x2d.numel()):
+            xm = x2d.to(mm_dtype)
+        step = _rows_per_block(dec.row_len, dec.fmt.bits, mm_dtype)
         if step >= n:
-            return _with_bias(F.linear(x2d, block(0, n).to(x2d.dtype)), bias, dtype)
-        x_t = x2d.t()
-        y_t = torch.empty(n, x2d.shape[0], dtype=x2d.dtype, device=x2d.device)
+            return _with_bias(F.linear(xm, block(0, n)), bias, dtype)
+        x_t = xm.t()
+        y_t = torch.empty(n, rows, dtype=mm_dtype, device=x2d.device)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            torch.mm(block(r0, r1).to(x2d.dtype), x_t, out=y_t[r0:r1])
+            torch.mm(block(r0, r1), x_t, out=y_t[r0:r1])
         with ops.one_thread_if_small(y_t.numel()):
             return _with_bias(y_t.t(), bias, dtype)
 

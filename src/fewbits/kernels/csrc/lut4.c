@@ -1,166 +1,505 @@
 /* y = x @ W.T for a weight W [N, K] held as 4-bit codes of a 16-value table with one float32
- * scale per group of K: W[n, k] = table[code[n, k]] * scale[n, k / group]. For the
- * dequantize-on-the-fly path of fewbits' QuantLinear (NF4, MXFP4, NVFP4, FP4 ...) at small
- * batches, where decoding the weight into a float matrix and calling a GEMM moves 8x more bytes
- * than the codes.
+ * scale per group of K: W[n, k] = table[code[n, k]] * scale[n, k / group] (INT4 too: its
+ * table is 0..7, -8..-1). For the
+ * dequantize-on-the-fly path of fewbits' QuantLinear (NF4, MXFP4, NVFP4, FP4 ...): at small
+ * batches the fused matmul reads the codes (8x fewer bytes than float32 weights) and never writes
+ * the weight to memory; at larger batches blocks of rows are decoded, to float32 or to bfloat16,
+ * for a GEMM.
  *
- * Codes are packed two per byte, low nibble first, row by row (row_bytes = K / 2). A step reads
- * 16 bytes = 32 weights: the low nibbles are the weights at even k, the high ones at odd k, so
- * the caller passes x split into its even and odd columns and no shuffle of codes is needed. The
- * table lookup is one permute of a 16-lane register (GCC/Clang vector extensions: vpermps on
- * AVX-512). Each weight is table value times scale, rounded to float32 once, exactly as
- * QuantizedTensor.dequantize() computes it; the products with x accumulate in float32 (fused
- * multiply-add where the CPU has it), in an order of their own, as any GEMM's. Rows of W are
- * shared out over OpenMP threads when built with -fopenmp.
+ * Asymmetric schemes too: with an integer zero point z and / or a float minimum m per group,
+ * W = ((table[code] - z) * scale) + m, each step one float32 rounding as dequantize() does it;
+ * the 16 values a group's codes can take are computed once per group and looked up.
+ *
+ * Codes are packed two per byte, low nibble first, row by row (row_bytes = K / 2). The low
+ * nibbles are the weights at even k, the high ones at odd k, so the caller passes x split into
+ * its even and odd columns and no shuffle of codes is needed. Each weight is table value times
+ * scale, rounded to float32 once, exactly as QuantizedTensor.dequantize() computes it; the
+ * products with x accumulate in float32 with fused multiply-adds, in an order of their own, as
+ * any GEMM's (it depends on the vector width: 16 lanes with AVX-512, 8 with AVX2, 1 otherwise).
+ *
+ * Three builds of the same loops, chosen by the compiler's target (-march=native):
+ *   AVX-512F   a step is 16 code bytes = 32 weights; widening is vpmovzxbd, the table lookup one
+ *              vpermps of a 16-float register.
+ *   AVX2+FMA   a step is 8 bytes = 16 weights; the 16-entry lookup is two 8-entry vpermps and a
+ *              blend on bit 3 of the code.
+ *   otherwise  scalar C.
+ * (GCC's generic vector extensions were tried first: GCC 12 widens a byte vector to int32 lanes
+ * one byte at a time through general registers, which made the fused matmul 7x slower than this.)
+ * Rows of W are shared out over torch's OpenMP threads when built with -fopenmp.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "vec16.h"
-typedef uint8_t vb __attribute__((vector_size(L)));
-
-static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int l = 0; l < L; l++) s += v[l];
-    return s;
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define W 16 /* float lanes; a step is 2W weights */
+typedef __m512 F;
+static inline F f_zero(void) { return _mm512_setzero_ps(); }
+static inline F f_set1(float v) { return _mm512_set1_ps(v); }
+static inline F f_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void f_store(float *p, F v) { _mm512_storeu_ps(p, v); }
+static inline F f_mul(F a, F b) { return _mm512_mul_ps(a, b); }
+static inline F f_fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+static inline F f_add(F a, F b) { return _mm512_add_ps(a, b); }
+static inline F f_sub(F a, F b) { return _mm512_sub_ps(a, b); }
+static inline float f_sum(F v) { return _mm512_reduce_add_ps(v); }
+typedef struct { F t; } Table;
+static inline Table table_load(const float *t16) { Table t = {_mm512_loadu_ps(t16)}; return t; }
+static inline Table table_scaled(Table t, float s) { Table r = {_mm512_mul_ps(t.t, _mm512_set1_ps(s))}; return r; }
+static inline Table table_plus(Table t, float a) { Table r = {_mm512_add_ps(t.t, _mm512_set1_ps(a))}; return r; }
+/* the table values of the 2W weights of code bytes p[0 .. W): lo = even k, hi = odd k (vpermps
+ * reads the low 4 bits of each index: the high nibble needs no mask) */
+static inline void decode_step(const uint8_t *p, Table t, F *lo, F *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_permutexvar_ps(b, t.t);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t.t);
+}
+/* scales of a step whose weights 0..15 lie in group a and 16..31 in group b */
+static inline F f_two(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+/* lo, hi back into k order: out[0 .. 2W) */
+static inline void store_interleaved(float *out, F lo, F hi) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(out + W, _mm512_permutex2var_ps(lo, second, hi));
+}
+/* round to nearest even to bfloat16 (torch's float -> bfloat16 for numbers; NaN -> 0x7FC0):
+ * the bfloat16 in the high half of each 32-bit lane, the low half garbage */
+static inline __m512i bf16_high(F v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC00000));
+}
+/* lo (even k) and hi (odd k) as bfloat16 in k order: each 32-bit lane holds the pair (k, k + 1),
+ * little-endian, so out[0 .. 2W) is one store */
+static inline void store_interleaved_bf16(uint16_t *out, F lo, F hi) {
+    const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(bf16_high(lo), 16),
+                                          _mm512_and_si512(bf16_high(hi), _mm512_set1_epi32((int)0xFFFF0000u)));
+    _mm512_storeu_si512((void *)out, pairs);
+}
+/* a scaled table's values as bfloat16, once per group: in the low half of each entry (for even k)
+ * and in the high half (odd k), so that a step of codes decodes to bfloat16 pairs with two
+ * lookups and an or */
+typedef struct { F lo, hi; } BTable;
+static inline BTable btable_of(Table scaled) {
+    const __m512i h = bf16_high(scaled.t);
+    BTable b = {_mm512_castsi512_ps(_mm512_srli_epi32(h, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)))};
+    return b;
+}
+static inline void store_bf16_step(const uint8_t *p, BTable t, uint16_t *out) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i lo = _mm512_castps_si512(_mm512_permutexvar_ps(b, t.lo));
+    const __m512i hi = _mm512_castps_si512(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t.hi));
+    _mm512_storeu_si512((void *)out, _mm512_or_si512(lo, hi));
 }
 
-#define MAX_M 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define W 8
+typedef __m256 F;
+static inline F f_zero(void) { return _mm256_setzero_ps(); }
+static inline F f_set1(float v) { return _mm256_set1_ps(v); }
+static inline F f_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void f_store(float *p, F v) { _mm256_storeu_ps(p, v); }
+static inline F f_mul(F a, F b) { return _mm256_mul_ps(a, b); }
+static inline F f_fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+static inline F f_add(F a, F b) { return _mm256_add_ps(a, b); }
+static inline F f_sub(F a, F b) { return _mm256_sub_ps(a, b); }
+static inline float f_sum(F v) {
+    float t[W];
+    _mm256_storeu_ps(t, v);
+    return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+}
+typedef struct { F lo, hi; } Table;
+static inline Table table_load(const float *t16) { Table t = {_mm256_loadu_ps(t16), _mm256_loadu_ps(t16 + 8)}; return t; }
+static inline Table table_scaled(Table t, float s) {
+    const F v = _mm256_set1_ps(s);
+    Table r = {_mm256_mul_ps(t.lo, v), _mm256_mul_ps(t.hi, v)};
+    return r;
+}
+static inline Table table_plus(Table t, float a) {
+    const F v = _mm256_set1_ps(a);
+    Table r = {_mm256_add_ps(t.lo, v), _mm256_add_ps(t.hi, v)};
+    return r;
+}
+/* entry i & 15 of the 16-entry table (vpermps reads bits 0-2, the blend bit 3; higher bits are
+ * shifted out) */
+static inline F lookup8(Table t, __m256i i) {
+    const F a = _mm256_permutevar8x32_ps(t.lo, i), b = _mm256_permutevar8x32_ps(t.hi, i);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+}
+static inline void decode_step(const uint8_t *p, Table t, F *lo, F *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = lookup8(t, b);
+    *hi = lookup8(t, _mm256_srli_epi32(b, 4));
+}
+static inline F f_two(float a, float b) { (void)b; return _mm256_set1_ps(a); } /* a step never spans groups */
+static inline void store_interleaved(float *out, F lo, F hi) {
+    const F a = _mm256_unpacklo_ps(lo, hi), c = _mm256_unpackhi_ps(lo, hi);
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(a, c, 0x20));
+    _mm256_storeu_ps(out + W, _mm256_permute2f128_ps(a, c, 0x31));
+}
+static inline __m256i bf16_high(F v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+static inline void store_interleaved_bf16(uint16_t *out, F lo, F hi) {
+    const __m256i pairs = _mm256_or_si256(_mm256_srli_epi32(bf16_high(lo), 16),
+                                          _mm256_and_si256(bf16_high(hi), _mm256_set1_epi32((int)0xFFFF0000u)));
+    _mm256_storeu_si256((__m256i *)out, pairs);
+}
+typedef struct { Table lo, hi; } BTable;
+static inline BTable btable_of(Table scaled) {
+    const __m256i a = bf16_high(scaled.lo), c = bf16_high(scaled.hi);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
+    BTable b = {{_mm256_castsi256_ps(_mm256_srli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_srli_epi32(c, 16))},
+                {_mm256_castsi256_ps(_mm256_and_si256(a, top)), _mm256_castsi256_ps(_mm256_and_si256(c, top))}};
+    return b;
+}
+static inline void store_bf16_step(const uint8_t *p, BTable t, uint16_t *out) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i lo = _mm256_castps_si256(lookup8(t.lo, b));
+    const __m256i hi = _mm256_castps_si256(lookup8(t.hi, _mm256_srli_epi32(b, 4)));
+    _mm256_storeu_si256((__m256i *)out, _mm256_or_si256(lo, hi));
+}
 
-/* fused multiply-add in the accumulation only: every weight is still rounded once, before it
- * meets x (the decode product is not an addend) */
-#if defined(__GNUC__) && !defined(__clang__)
-#define ACCUMULATE __attribute__((optimize("fp-contract=fast")))
-#else
-#define ACCUMULATE
+#else /* scalar */
+#define W 1
+typedef float F;
+static inline F f_zero(void) { return 0.0f; }
+static inline F f_set1(float v) { return v; }
+static inline F f_load(const float *p) { return *p; }
+static inline void f_store(float *p, F v) { *p = v; }
+static inline F f_mul(F a, F b) { return a * b; }
+static inline F f_fma(F a, F b, F c) { return fmaf(a, b, c); }
+static inline F f_add(F a, F b) { return a + b; }
+static inline F f_sub(F a, F b) { return a - b; }
+static inline float f_sum(F v) { return v; }
+typedef struct { float t[16]; } Table;
+static inline Table table_load(const float *t16) { Table t; memcpy(t.t, t16, sizeof t.t); return t; }
+static inline Table table_scaled(Table t, float s) {
+    Table r;
+    for (int i = 0; i < 16; i++) r.t[i] = t.t[i] * s;
+    return r;
+}
+static inline Table table_plus(Table t, float a) {
+    Table r;
+    for (int i = 0; i < 16; i++) r.t[i] = t.t[i] + a;
+    return r;
+}
+static inline void decode_step(const uint8_t *p, Table t, F *lo, F *hi) {
+    *lo = t.t[p[0] & 15];
+    *hi = t.t[p[0] >> 4];
+}
+static inline F f_two(float a, float b) { (void)b; return a; }
+static inline void store_interleaved(float *out, F lo, F hi) { out[0] = lo; out[1] = hi; }
+static inline uint16_t bf16_one(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if (v != v) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+static inline void store_interleaved_bf16(uint16_t *out, F lo, F hi) { out[0] = bf16_one(lo); out[1] = bf16_one(hi); }
+typedef struct { uint16_t t[16]; } BTable;
+static inline BTable btable_of(Table scaled) {
+    BTable b;
+    for (int i = 0; i < 16; i++) b.t[i] = bf16_one(scaled.t[i]);
+    return b;
+}
+static inline void store_bf16_step(const uint8_t *p, BTable t, uint16_t *out) {
+    out[0] = t.t[p[0] & 15];
+    out[1] = t.t[p[0] >> 4];
+}
 #endif
 
-/* the scales of the 16 lanes of step j: lane l holds weights 2(j + l) and 2(j + l) + 1, in one
- * group when group >= 32; with groups of 16, lanes 0-7 lie in one group and 8-15 in the next */
-static inline vf step_scales(const float *srow, int64_t j, int64_t group) {
-    const int64_t k0 = 2 * j;
-    if (group >= 32) return (vf){0} + srow[k0 / group];
-    const vi first_half = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    vi s0 = (vi)((vf){0} + srow[k0 / 16]), s1 = (vi)((vf){0} + srow[k0 / 16 + 1]);
-    return (vf)((s0 & first_half) | (s1 & ~first_half));
+#define STEP (2 * W) /* weights per step; code bytes per step: W */
+
+/* A row's parameters per group: scales, and (NULL where the scheme has none) integer zero points
+ * as float32 and float minimums. A weight is ((table[code] - zero point) * scale) + minimum,
+ * each operation one float32 rounding, in QuantizedTensor.dequantize()'s order. */
+typedef struct {
+    const float *s, *z, *m;
+} RowParams;
+/* the 16 weights a code can stand for in group g */
+static inline Table table_for(Table t, RowParams rp, int64_t g) {
+    if (rp.z) t = table_plus(t, -rp.z[g]); /* v - z is v + (-z): the same rounding */
+    t = table_scaled(t, rp.s[g]);
+    if (rp.m) t = table_plus(t, rp.m[g]);
+    return t;
 }
+#define MAX_M 8
+
+/* Walks a row's steps with their scales and hands each step's decoded weights (lo: even k, hi:
+ * odd k, each table value times its scale rounded to float32 once) to STEP_BODY(A), with j the
+ * step's first code byte and A (0 or 1) alternating from step to step where it can, so that a
+ * body may keep two sets of accumulators (a fused multiply-add takes 4 cycles, a step 3).
+ * With group a multiple of STEP a step lies in one group: the table is multiplied by the group's
+ * scale once (table[c] * s is the same float32 product per weight) and looked up already
+ * scaled. Otherwise (group 16 or 48 ... with AVX-512's 32-weight steps) a step's first and second
+ * 16 weights may lie in two groups, and the looked-up values are multiplied by a vector of the
+ * two scales. */
+#define DECODE_SCALED(j, ts) \
+    F lo, hi;                \
+    decode_step(row_ + (j), (ts), &lo, &hi);
+#define TWO(p, j) f_two((p)[2 * (j) / group_], (p)[(2 * (j) + 16) / group_])
+#define DECODE_MIXED(j)                                                                          \
+    F lo, hi;                                                                                    \
+    decode_step(row_ + (j), table_, &lo, &hi);                                                   \
+    {                                                                                            \
+        if (rp_.z) {                                                                             \
+            const F z_ = TWO(rp_.z, j);                                                          \
+            lo = f_sub(lo, z_);                                                                  \
+            hi = f_sub(hi, z_);                                                                  \
+        }                                                                                        \
+        const F s_ = TWO(rp_.s, j);                                                              \
+        lo = f_mul(lo, s_);                                                                      \
+        hi = f_mul(hi, s_);                                                                      \
+        if (rp_.m) {                                                                             \
+            const F m_ = TWO(rp_.m, j);                                                          \
+            lo = f_add(lo, m_);                                                                  \
+            hi = f_add(hi, m_);                                                                  \
+        }                                                                                        \
+    }
+#define FOR_EACH_STEP(row, rp, table, half, group, STEP_BODY)                                     \
+    do {                                                                                         \
+        const uint8_t *row_ = (row);                                                             \
+        const RowParams rp_ = (rp);                                                              \
+        const Table table_ = (table);                                                            \
+        const int64_t half_ = (half), group_ = (group), bytes_ = group_ / 2;                     \
+        if (group_ % (2 * STEP) == 0) { /* an even number of steps per group */                 \
+            for (int64_t j0 = 0, g = 0; j0 < half_; j0 += bytes_, g++) {                         \
+                const Table ts = table_for(table_, rp_, g);                                      \
+                for (int64_t j = j0; j < j0 + bytes_; j += 2 * W) {                              \
+                    { DECODE_SCALED(j, ts) STEP_BODY(0, j) }                                     \
+                    { DECODE_SCALED(j + W, ts) STEP_BODY(1, j + W) }                             \
+                }                                                                                \
+            }                                                                                    \
+        } else if (group_ == STEP) { /* one step per group: groups in pairs */                   \
+            int64_t j = 0, g = 0;                                                                \
+            for (; j + 2 * W <= half_; j += 2 * W, g += 2) {                                     \
+                { DECODE_SCALED(j, table_for(table_, rp_, g)) STEP_BODY(0, j) }             \
+                { DECODE_SCALED(j + W, table_for(table_, rp_, g + 1)) STEP_BODY(1, j + W) } \
+            }                                                                                    \
+            if (j < half_) { DECODE_SCALED(j, table_for(table_, rp_, g)) STEP_BODY(0, j) }  \
+        } else if (group_ % STEP == 0) {                                                         \
+            for (int64_t j0 = 0, g = 0; j0 < half_; j0 += bytes_, g++) {                         \
+                const Table ts = table_for(table_, rp_, g);                                      \
+                for (int64_t j = j0; j < j0 + bytes_; j += W) { DECODE_SCALED(j, ts) STEP_BODY(0, j) } \
+            }                                                                                    \
+        } else {                                                                                 \
+            int64_t j = 0;                                                                       \
+            for (; j + 2 * W <= half_; j += 2 * W) {                                             \
+                { DECODE_MIXED(j) STEP_BODY(0, j) }                                              \
+                { DECODE_MIXED(j + W) STEP_BODY(1, j + W) }                                      \
+            }                                                                                    \
+            if (j < half_) { DECODE_MIXED(j) STEP_BODY(0, j) }                                   \
+        }                                                                                        \
+    } while (0)
 
 /* One output row n for MR rows of x (MR a compile-time constant: the accumulators stay in
- * registers). */
+ * registers); for each row of x two accumulators (even and odd k), in two sets where few rows
+ * leave too few independent chains (up to TWO_SETS_MAX_MR rows: the registers hold them). */
+#define TWO_SETS_MAX_MR (W > 8 ? 4 : 2)
+#define ACCUMULATE(A, j)                                                                         \
+    for (int m = 0; m < MR_; m++) {                                                              \
+        const int a_ = MR_ <= TWO_SETS_MAX_MR ? (A) : 0;                                         \
+        acc[a_][0][m] = f_fma(f_load(xe + m * half + (j)), lo, acc[a_][0][m]);                   \
+        acc[a_][1][m] = f_fma(f_load(xo + m * half + (j)), hi, acc[a_][1][m]);                   \
+    }
 #define DEFINE_ROW(MR)                                                                           \
-    static ACCUMULATE void row_##MR(const float *xe, const float *xo, const uint8_t *row,        \
-                                    const float *srow, vf table, int64_t half, int64_t group,    \
-                                    float *y, int64_t N, int64_t n) {                            \
-        vf acc[MR];                                                                              \
-        for (int m = 0; m < MR; m++) acc[m] = (vf){0};                                           \
-        for (int64_t j = 0; j < half; j += L) {                                                  \
-            vb bytes;                                                                            \
-            memcpy(&bytes, row + j, sizeof bytes);                                               \
-            vi b = __builtin_convertvector(bytes, vi);                                           \
-            vf s = step_scales(srow, j, group);                                                  \
-            vf lo = lookup(table, b & 15) * s, hi = lookup(table, b >> 4) * s;                   \
-            for (int m = 0; m < MR; m++) {                                                       \
-                vf e, o;                                                                         \
-                memcpy(&e, xe + m * half + j, sizeof e);                                         \
-                memcpy(&o, xo + m * half + j, sizeof o);                                         \
-                acc[m] += e * lo;                                                                \
-                acc[m] += o * hi;                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        for (int m = 0; m < MR; m++) y[m * N + n] = hsum(acc[m]);                                \
+    static void row_##MR(const float *xe, const float *xo, const uint8_t *row, RowParams rp,       \
+                         Table table, int64_t half, int64_t group, float *y, int64_t N,            \
+                         int64_t n) {                                                            \
+        enum { MR_ = MR };                                                                       \
+        F acc[2][2][MR];                                                                         \
+        for (int m = 0; m < MR; m++) acc[0][0][m] = acc[0][1][m] = acc[1][0][m] = acc[1][1][m] = f_zero(); \
+        FOR_EACH_STEP(row, rp, table, half, group, ACCUMULATE);                                  \
+        for (int m = 0; m < MR; m++)                                                             \
+            y[m * N + n] = f_sum(f_add(f_add(acc[0][0][m], acc[0][1][m]), f_add(acc[1][0][m], acc[1][1][m]))); \
     }
 
 DEFINE_ROW(1)
 DEFINE_ROW(2)
 DEFINE_ROW(3)
 DEFINE_ROW(4)
+#if W > 8 /* AVX2 has 16 vector registers: more rows of x would spill; they run four at a time */
 DEFINE_ROW(5)
 DEFINE_ROW(6)
 DEFINE_ROW(7)
 DEFINE_ROW(8)
+#define ROWS_PER_PASS 8
+#else
+#define ROWS_PER_PASS 4
+#endif
 
-/* y[m, n] for n in [n0, n1), m < M <= MAX_M.
- * xe, xo: [M, K/2] float32, the even and odd columns of x (zero-padded to K).
- * codes: [N, K/2] bytes; table: 16 floats; group a multiple of 16.
- * The scales: float32 [N, K / group] in `scales`, or (scales NULL) coded as bytes [N, K / group]
- * in `scale_codes`, each standing for scale_table[code] * scale_mul (one float32 product, as
- * fewbits computes NVFP4's E4M3 block scale times its tensor scale, or an MX E8M0 scale).
- * Returns 0, or -1 for an unsupported shape. */
-int32_t fb_lut4_matmul(const float *xe, const float *xo, const uint8_t *codes, const float *scales,
-                       const uint8_t *scale_codes, const float *scale_table, float scale_mul,
-                       const float *table16, int64_t M, int64_t N, int64_t K, int64_t group,
-                       float *y, int64_t n0, int64_t n1) {
-    if (M < 1 || M > MAX_M || K % 32 != 0 || group % 16 != 0 || group < 16 || K % group != 0) return -1;
-    if (!scales && (!scale_codes || !scale_table)) return -1;
-    vf table;
-    memcpy(&table, table16, sizeof table);
-    const int64_t half = K / 2, groups = K / group;
-    /* torch's own OpenMP threads (the process has one libgomp: torch's), as many as
-     * torch.get_num_threads() says; one thread for a few rows */
-#pragma omp parallel for schedule(static) if (n1 - n0 >= 64)
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = codes + n * half;
-        float decoded[groups]; /* this row's scales, when they come coded */
-        const float *srow = scales + n * groups;
-        if (!scales) {
-            for (int64_t g = 0; g < groups; g++) decoded[g] = scale_table[scale_codes[n * groups + g]] * scale_mul;
-            srow = decoded;
-        }
-        switch (M) {
-        case 1: row_1(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 2: row_2(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 3: row_3(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 4: row_4(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 5: row_5(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 6: row_6(xe, xo, row, srow, table, half, group, y, N, n); break;
-        case 7: row_7(xe, xo, row, srow, table, half, group, y, N, n); break;
-        default: row_8(xe, xo, row, srow, table, half, group, y, N, n); break;
+static void row_any(const float *xe, const float *xo, const uint8_t *row, RowParams rp, Table table,
+                    int64_t half, int64_t group, float *y, int64_t N, int64_t n, int64_t M) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+        const int64_t mr = M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS;
+        const float *e = xe + m0 * half, *o = xo + m0 * half;
+        float *out = y + m0 * N;
+        switch (mr) {
+        case 1: row_1(e, o, row, rp, table, half, group, out, N, n); break;
+        case 2: row_2(e, o, row, rp, table, half, group, out, N, n); break;
+        case 3: row_3(e, o, row, rp, table, half, group, out, N, n); break;
+#if W > 8
+        case 4: row_4(e, o, row, rp, table, half, group, out, N, n); break;
+        case 5: row_5(e, o, row, rp, table, half, group, out, N, n); break;
+        case 6: row_6(e, o, row, rp, table, half, group, out, N, n); break;
+        case 7: row_7(e, o, row, rp, table, half, group, out, N, n); break;
+        default: row_8(e, o, row, rp, table, half, group, out, N, n); break;
+#else
+        default: row_4(e, o, row, rp, table, half, group, out, N, n); break;
+#endif
         }
     }
+}
+
+static int shape_ok(int64_t K, int64_t group) {
+    return K % 32 == 0 && group % 16 == 0 && group >= 16 && K % group == 0;
+}
+
+/* float16 and bfloat16 values read exactly as float32 */
+static inline float from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t u;
+    if (e == 0) {
+        const float v = (float)man * 0x1p-24f; /* zero or subnormal: exact */
+        memcpy(&u, &v, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((e + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+enum { P_F32 = 0, P_F16 = 1, P_BF16 = 2 }; /* the storage of a per-group parameter */
+/* A weight's per-group parameters [N, groups] (zero points and minimums may be NULL); the scales
+ * may instead be byte codes standing for scale_table[code] * scale_mul (one float32 product, as
+ * fewbits computes NVFP4's E4M3 block scale times its tensor scale, or an MX E8M0 scale). */
+typedef struct {
+    const void *s, *z, *m;
+    int32_t s_kind, z_kind, m_kind;
+    const uint8_t *s_codes;
+    const float *s_table;
+    float s_mul;
+} Params;
+
+/* row n of a parameter as float32: the stored row itself, or converted into buf */
+static inline const float *param_row(const void *p, int32_t kind, int64_t n, int64_t groups, float *buf) {
+    if (!p) return NULL;
+    if (kind == P_F32) return (const float *)p + n * groups;
+    const uint16_t *h = (const uint16_t *)p + n * groups;
+    for (int64_t g = 0; g < groups; g++) buf[g] = kind == P_F16 ? from_half(h[g]) : from_bf16(h[g]);
+    return buf;
+}
+static inline RowParams row_params(const Params *P, int64_t n, int64_t groups, float *bs, float *bz, float *bm) {
+    RowParams rp;
+    if (P->s_codes) {
+        for (int64_t g = 0; g < groups; g++) bs[g] = P->s_table[P->s_codes[n * groups + g]] * P->s_mul;
+        rp.s = bs;
+    } else {
+        rp.s = param_row(P->s, P->s_kind, n, groups, bs);
+    }
+    rp.z = param_row(P->z, P->z_kind, n, groups, bz);
+    rp.m = param_row(P->m, P->m_kind, n, groups, bm);
+    return rp;
+}
+static int params_ok(const Params *P) {
+    const int kinds_ok = P->s_kind >= 0 && P->s_kind <= 2 && P->z_kind >= 0 && P->z_kind <= 2 && P->m_kind >= 0 &&
+                         P->m_kind <= 2;
+    return kinds_ok && (P->s || (P->s_codes && P->s_table));
+}
+
+/* y [M, N] (row-major) = x @ W.T for x [M, kx] float32 with row stride x_stride, kx <= K (the
+ * columns from kx on are read as zero).
+ * codes: [N, K/2] bytes; table: 16 floats; group a multiple of 16; P: the per-group parameters.
+ * x is taken MAX_M rows at a time, split into its even and odd columns (a copy of those rows),
+ * and the codes read once per MAX_M rows. Returns 0, -1 for an unsupported shape, -2 when the
+ * copy of x cannot be allocated. */
+int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8_t *codes, const Params *P,
+                       const float *table16, int64_t M, int64_t N, int64_t K, int64_t group, float *y) {
+    if (M < 0 || kx < 0 || kx > K || !shape_ok(K, group) || !params_ok(P)) return -1;
+    const Table table = table_load(table16);
+    const int64_t half = K / 2, groups = K / group;
+    const int64_t rows = M < MAX_M ? M : MAX_M;
+    float *split = malloc(sizeof(float) * (size_t)(2 * rows * half + 1));
+    if (!split) return -2;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+        const int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
+        float *xe = split, *xo = split + mr * half;
+        for (int64_t m = 0; m < mr; m++) {
+            const float *xr = x + (m0 + m) * x_stride;
+            float *e = xe + m * half, *o = xo + m * half;
+            int64_t k = 0;
+            for (; k + 1 < kx; k += 2) {
+                e[k / 2] = xr[k];
+                o[k / 2] = xr[k + 1];
+            }
+            if (k < kx) { e[k / 2] = xr[k]; o[k / 2] = 0.0f; k += 2; }
+            for (; k < K; k += 2) e[k / 2] = o[k / 2] = 0.0f;
+        }
+        float *yc = y + m0 * N;
+        /* torch's own OpenMP threads (the process has one libgomp: torch's), as many as
+         * torch.get_num_threads() says; one thread for a few rows */
+#pragma omp parallel for schedule(static) if (N >= 64)
+        for (int64_t n = 0; n < N; n++) {
+            float bs[groups], bz[groups], bm[groups];
+            const RowParams rp = row_params(P, n, groups, bs, bz, bm);
+            row_any(xe, xo, codes + n * half, rp, table, half, group, yc, N, n, mr);
+        }
+    }
+    free(split);
     return 0;
 }
 
-/* W rows [r0, r1) decoded to float32, out [(r1 - r0), K]: the same decode as fb_lut4_matmul
- * (table value times scale, one float32 rounding: exactly QuantizedTensor.dequantize()), for
- * batches large enough that a GEMM on decoded blocks wins. Scales as in fb_lut4_matmul.
- * Returns 0, or -1 for an unsupported shape. */
-int32_t fb_lut4_decode(const uint8_t *codes, const float *scales, const uint8_t *scale_codes,
-                       const float *scale_table, float scale_mul, const float *table16, int64_t K,
-                       int64_t group, int64_t r0, int64_t r1, float *out) {
-    if (K % 32 != 0 || group % 16 != 0 || group < 16 || K % group != 0) return -1;
-    if (!scales && (!scale_codes || !scale_table)) return -1;
-    vf table;
-    memcpy(&table, table16, sizeof table);
+/* W rows [r0, r1) decoded, out [(r1 - r0), K]: the same decode as fb_lut4_matmul (exactly
+ * QuantizedTensor.dequantize()'s float32 operations, see RowParams), for batches large
+ * enough that a GEMM on decoded blocks wins. out_bf16 = 0: float32 out; 1: uint16 bfloat16 bit
+ * patterns, each float32 weight rounded to nearest even (what .to(torch.bfloat16) of the float32
+ * weight gives for numbers; every NaN becomes 0x7FC0). Parameters as in fb_lut4_matmul. Returns 0, or
+ * -1 for an unsupported shape. */
+int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table16, int64_t K,
+                       int64_t group, int64_t r0, int64_t r1, void *out, int32_t out_bf16) {
+    if (!shape_ok(K, group) || !params_ok(P)) return -1;
+    const Table table = table_load(table16);
     const int64_t half = K / 2, groups = K / group;
-    const vi first = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-    const vi second = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 #pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
     for (int64_t n = r0; n < r1; n++) {
+        float bs[groups], bz[groups], bm[groups];
+        const RowParams rp = row_params(P, n, groups, bs, bz, bm);
         const uint8_t *row = codes + n * half;
-        float decoded[groups];
-        const float *srow = scales + n * groups;
-        if (!scales) {
-            for (int64_t g = 0; g < groups; g++) decoded[g] = scale_table[scale_codes[n * groups + g]] * scale_mul;
-            srow = decoded;
-        }
-        float *o = out + (n - r0) * K;
-        for (int64_t j = 0; j < half; j += L) {
-            vb bytes;
-            memcpy(&bytes, row + j, sizeof bytes);
-            vi b = __builtin_convertvector(bytes, vi);
-            vf s = step_scales(srow, j, group);
-            vf lo = lookup(table, b & 15) * s, hi = lookup(table, b >> 4) * s;
-#if defined(__GNUC__) && !defined(__clang__)
-            vf a = __builtin_shuffle(lo, hi, first), c = __builtin_shuffle(lo, hi, second);
-#else
-            vf a, c;
-            for (int l = 0; l < L; l++) {
-                a[l] = l % 2 ? hi[l / 2] : lo[l / 2];
-                c[l] = l % 2 ? hi[8 + l / 2] : lo[8 + l / 2];
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + (n - r0) * K;
+            if (group % STEP == 0) { /* the group's table rounded to bfloat16 once, looked up as such */
+                for (int64_t j0 = 0, g = 0; j0 < half; j0 += group / 2, g++) {
+                    const BTable bt = btable_of(table_for(table, rp, g));
+                    for (int64_t j = j0; j < j0 + group / 2; j += W) store_bf16_step(row + j, bt, o + 2 * j);
+                }
+            } else {
+#define STORE_BF16(A, j) store_interleaved_bf16(o + 2 * (j), lo, hi);
+                FOR_EACH_STEP(row, rp, table, half, group, STORE_BF16);
             }
-#endif
-            memcpy(o + 2 * j, &a, sizeof a);
-            memcpy(o + 2 * j + L, &c, sizeof c);
+        } else {
+            float *o = (float *)out + (n - r0) * K;
+#define STORE_F32(A, j) store_interleaved(o + 2 * (j), lo, hi);
+            FOR_EACH_STEP(row, rp, table, half, group, STORE_F32);
         }
     }
     return 0;

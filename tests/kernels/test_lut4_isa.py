@@ -1,0 +1,127 @@
+"""lut4.c's three builds (AVX-512, AVX2+FMA, scalar C) against the obviously-correct arithmetic.
+
+The library fewbits loads is built with -march=native, so a machine tests only its own build;
+here lut4.c is also compiled for the x86-64-v3 (AVX2) and baseline x86-64 levels, as the AMD and
+older machines that run fewbits build it, and every build must give:
+- decode to float32: QuantizedTensor.dequantize()'s weights bit for bit (table value times scale,
+  one float32 rounding), for float32 scales and for MX / NVFP4 scales kept as byte codes;
+- decode to bfloat16: that float32 weight rounded to nearest even, bit for bit (NaN -> 0x7FC0);
+- the fused matmul: x @ W.T within float32 summation error of the float64 product, for batches
+  inside one 8-row chunk and across chunks, x narrower than the rows (padding) and strided x.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fewbits.kernels import native
+
+SRC = Path(native.__file__).with_name("csrc") / "lut4.c"
+BUILDS = ["native", "x86-64-v3", "x86-64"]
+
+
+def _flags() -> frozenset[str]:
+    return native.cpu_flags()
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def lib(request, tmp_path_factory):
+    march = request.param
+    if march == "native":
+        lib = native.library()
+        if lib is None:
+            pytest.skip(native.status()["reason"])
+        return lib
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86-64 levels exist on x86-64 only")
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= _flags():
+        pytest.skip("this CPU has no AVX2/FMA to run an x86-64-v3 build")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp(march) / "lut4.so"
+    r = subprocess.run([cc, *[f for f in native.CFLAGS if not f.startswith("-march")], f"-march={march}",
+                        "-o", str(out), str(SRC), "-lm"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    built = ctypes.CDLL(str(out))  # our own file, just written in pytest's private directory
+    native.declare_lut4(built)
+    return built
+
+
+def _nibbles(codes: torch.Tensor, n: int, row_len: int) -> torch.Tensor:
+    return torch.stack([codes & 15, codes >> 4], dim=1).reshape(n, row_len).long()
+
+
+CASES = [  # (n, row_len, group): groups of 16 (NVFP4), 32 (MX), 48 (steps spanning groups), 64, 256
+    (70, 96, 16), (33, 128, 32), (17, 96, 48), (40, 256, 64), (9, 512, 256), (3, 32, 32)]
+
+
+@pytest.mark.parametrize("n,row_len,group", CASES)
+def test_decode_is_the_float32_weight_and_its_bfloat16_rounding(lib, n, row_len, group):
+    g = torch.Generator().manual_seed(n * row_len + group)
+    table = torch.randn(16, generator=g) * 3
+    table[13] = float("nan")  # an unused code of a codebook with fewer than 16 values
+    codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, row_len // group, generator=g) * 4 + 2.0 ** -130  # subnormal products too
+    scales[0, 0] = 2.0 ** 120  # products that overflow to inf
+    w_ref = table[_nibbles(codes, n, row_len)] * scales.repeat_interleave(group, dim=1)
+    weight = native.Lut4Weight(codes, scales, table, n, row_len, group)
+    got = weight.decode(lib, 0, n)
+    assert torch.equal(got.view(torch.int32), w_ref.view(torch.int32))
+    part = weight.decode(lib, 3, min(n, 7))
+    assert torch.equal(part.view(torch.int32), w_ref[3:min(n, 7)].view(torch.int32))
+    b = weight.decode(lib, 0, n, torch.bfloat16).view(torch.int16)
+    nan = torch.isnan(w_ref)
+    want = w_ref.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(b[~nan], want[~nan])
+    assert bool((b[nan] == 0x7FC0).all())
+    # scales kept as byte codes: table[code] * multiplier, one float32 product
+    scale_codes = torch.randint(0, 256, (n, row_len // group), generator=g, dtype=torch.uint8)
+    scale_table = torch.rand(256, generator=g) + 0.25
+    coded = native.Lut4Weight(codes, (scale_codes, scale_table, 0.375), table, n, row_len, group)
+    s = scale_table[scale_codes.long()] * 0.375
+    w_coded = table[_nibbles(codes, n, row_len)] * s.repeat_interleave(group, dim=1)
+    assert torch.equal(coded.decode(lib, 0, n).view(torch.int32), w_coded.view(torch.int32))
+
+
+@pytest.mark.parametrize("n,row_len,group", CASES)
+def test_fused_matmul_is_the_product_with_the_decoded_weight(lib, n, row_len, group):
+    g = torch.Generator().manual_seed(7 + n + group)
+    table = torch.randn(16, generator=g)
+    codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, row_len // group, generator=g) + 0.5
+    w = (table[_nibbles(codes, n, row_len)] * scales.repeat_interleave(group, dim=1)).double()
+    weight = native.Lut4Weight(codes, scales, table, n, row_len, group)
+    for m, k in ((1, row_len), (2, row_len), (5, row_len - 3), (8, row_len), (13, row_len - 16), (20, 1)):
+        x = torch.randn(m, k, generator=g)
+        y = weight.matmul(lib, x)
+        ref = x.double() @ w[:, :k].t()
+        bound = row_len * 2.0 ** -24 * (x.abs().double() @ w[:, :k].abs().t()) + 1e-30
+        assert bool(((y.double() - ref).abs() <= bound).all()), (m, k)
+    wide = torch.randn(4, 2 * row_len, generator=g)
+    strided = wide[:, ::2]  # rows with a stride, columns not unit: copied first
+    assert torch.allclose(weight.matmul(lib, strided), weight.matmul(lib, strided.contiguous()), rtol=0, atol=0)
+    view = wide[:, :row_len]  # a row stride wider than the row
+    assert torch.equal(weight.matmul(lib, view), weight.matmul(lib, view.contiguous()))
+    assert weight.matmul(lib, torch.zeros(0, row_len)).shape == (0, n)
+
+
+def test_bad_arguments_are_refused(lib):
+    table = torch.randn(16)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        native.Lut4Weight(torch.zeros(48, dtype=torch.uint8), torch.ones(2, 3), table, 2, 48, 16)
+    w = native.Lut4Weight(torch.zeros(64, dtype=torch.uint8), torch.ones(2, 1), table, 2, 64, 64)
+    with pytest.raises(ValueError, match="float32"):
+        w.matmul(lib, torch.zeros(1, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32"):
+        w.matmul(lib, torch.zeros(1, 65))
+    with pytest.raises(ValueError, match="rows"):
+        w.decode(lib, 1, 3)
+    with pytest.raises(ValueError, match="bfloat16"):
+        w.decode(lib, 0, 2, torch.float16)
