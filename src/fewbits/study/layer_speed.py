@@ -369,10 +369,13 @@ def _torchao(config: str, kwargs: dict, compile_: bool = True):
         if compile_:
             # said once per tensor subclass when compiling: about caching compiled graphs across runs
             warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
-            dyn = torch._dynamo.config
             # one graph per variant and batch shape: more than dynamo's default limit in one run
-            dyn.recompile_limit = max(dyn.recompile_limit, 64)
-            dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 1024)
+            # (the names before torch 2.6: cache_size_limit, accumulated_cache_size_limit)
+            dyn = torch._dynamo.config
+            for name, at_least in (("recompile_limit", 64), ("cache_size_limit", 64),
+                                   ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+                if hasattr(dyn, name):
+                    setattr(dyn, name, max(getattr(dyn, name), at_least))
             mod = torch.compile(mod)
             kernel += ", compiled"
         return _InDtype(mod, torch.bfloat16), held, kernel
