@@ -37,6 +37,12 @@ Targets (issue 15), as ratios in this run, PASS/FAIL:
   (b) int4 g128 >= 5x fp32 at batch 1
   (c) weight-only 4- and 8-bit layers >= 2x fp32 at batches >= 16 (bf16's ratio beside: the goal)
 
+Caches: one variant's weights (36-256 MiB for the 4096 stack) can fit a large L3 (this Xeon reports
+480 MiB): a loop over one variant alone then reads them from L3. Here the other variants run in
+between and evict them, as the other layers of a model do, so each call reads its weights mostly
+from memory; the rotating order gives every variant the same conditions on average. Hot-loop
+figures of a single layer are therefore faster than these.
+
 On a machine whose cores are busy with other work, two-thread times measure the scheduler more
 than the kernels: the load average is printed; compare with --threads 1, or use --stat min.
 
