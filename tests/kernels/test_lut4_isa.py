@@ -125,3 +125,27 @@ def test_bad_arguments_are_refused(lib):
         w.decode(lib, 1, 3)
     with pytest.raises(ValueError, match="bfloat16"):
         w.decode(lib, 0, 2, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_parameters_stored_in_16_bits_are_read_exactly(lib, dtype):
+    """Scales, zero points and minimums as the QuantizedTensor stores them (GGUF's Q4_0 / Q4_1
+    keep float16): read exactly (float16 subnormals, infinities and the 8-wide hardware
+    conversion and its scalar tail included), then ((table[code] - z) * s) + m in float32."""
+    n, row_len, group = 6, 704, 32  # 22 groups a row: 16 through the vector conversion, 6 after
+    g = torch.Generator().manual_seed(3)
+    table = torch.arange(16, dtype=torch.float32) - 8
+    codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+    groups = row_len // group
+    scales = (torch.rand(n, groups, generator=g) * 2).to(dtype)
+    if dtype == torch.float16:
+        scales[0, :4] = torch.tensor([2.0 ** -24, 3 * 2.0 ** -20, 6.0e-5, 65504.0])  # subnormals, max
+    mins = (torch.randn(n, groups, generator=g)).to(dtype)
+    zps = torch.randint(0, 16, (n, groups), generator=g).to(torch.float32)
+    w = native.Lut4Weight(codes, scales, table, n, row_len, group, zero_points=zps, minimums=mins)
+    v = table[_nibbles(codes, n, row_len)]
+    rep = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
+    ref = ((v - rep(zps)) * rep(scales)) + rep(mins)
+    assert torch.equal(w.decode(lib, 0, n).view(torch.int32), ref.view(torch.int32))
+    x = torch.randn(3, row_len, generator=g)
+    torch.testing.assert_close(w.matmul(lib, x), x @ ref.t(), rtol=1e-5, atol=1e-4)

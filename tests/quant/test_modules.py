@@ -538,3 +538,33 @@ def test_copies_and_pickles_rebuild_the_kernel(name):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert torch.equal(loaded(x), m(x)) and loaded.nbytes == m.nbytes
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_tensor", "nf4", "int4", "q4_1", "nvfp4", "fp8"])
+def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, monkeypatch):
+    """Beyond LUT4_MAX_BATCH float32 rows, weight-only layers multiply bf16(dequantize()) blocks
+    with bf16 activations where the CPU has hardware bf16 (qm.bf16_blocks); the block decode is
+    that rounding bit for bit (tests/kernels/test_lut4_isa.py, and here for int8), the result within
+    the bf16 bound. Elsewhere, and with kernel="dequant_fp32", the batch stays in float32."""
+    from fewbits.kernels import native
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.status()["reason"])
+    m = QuantLinear.from_linear(_linear(64, 256), name)
+    rows = qm.LUT4_MAX_BATCH + 5
+    x = _x((rows, 256))
+    assert qm.bf16_blocks(x) == ops.fast_bf16_matmul()
+    calls = []
+    real = native.int8_rows_bf16
+    monkeypatch.setattr(native, "int8_rows_bf16", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
+    assert_close_to_reference(m, x)
+    if m.kernel == "int8pack":
+        assert bool(calls) == ops.fast_bf16_matmul()
+        if calls:
+            w = m.qweight
+            block = real(lib, m._qweight.kernel_tensors["weight"], m._int8_scales_f32, 3, 9)
+            assert torch.equal(block.view(torch.int16), w.dequantize(torch.float32)[3:9].to(torch.bfloat16).view(torch.int16))
+    exact = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant_fp32")
+    y = exact(x)
+    tol = 256 * 2.0 ** -23 * (x.abs() @ exact.qweight.dequantize(torch.float32).abs().t()) + 1e-6
+    assert bool(((y - exact.reference_forward(x)).abs() <= tol + exact.bias.abs()).all())

@@ -520,6 +520,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_quantize_rows_int8.restype = None
     lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
     lib.fb_scale_rows.restype = None
+    lib.fb_int8_rows_bf16.argtypes = [p, p, i64, i64, i64, p]
+    lib.fb_int8_rows_bf16.restype = None
     declare_lut4(lib)
     u32 = ctypes.c_uint32
     lib.fb_round_float_f32.argtypes = [p, p, i64, p, i32, i32, u32, u32]
@@ -651,6 +653,30 @@ def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
     lib.fb_scale_rows(y.data_ptr(), m, n, y.stride(0) if m > 1 else n, row_scales.data_ptr(),
                       bias.data_ptr() if bias is not None else None)
     return y
+
+
+def int8_rows_bf16(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor, r0: int, r1: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0..r1 of an int8 weight q [N, K] with float32 scales [N], dequantized (q * s, one
+    float32 product) and rounded to bfloat16 (nearest even; NaN -> 0x7FC0): [r1 - r0, K]. `out`:
+    a contiguous bfloat16 buffer of at least that many values to write into (reused from block to
+    block, it spares the page faults of fresh memory)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"q must be a contiguous CPU int8 matrix, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if scales.dtype != torch.float32 or scales.numel() != n or not scales.is_contiguous():
+        raise ValueError(f"scales must be {n} contiguous float32 values")
+    if not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"rows {r0}..{r1} out of 0..{n}")
+    count = (r1 - r0) * k
+    if out is None:
+        out = torch.empty(r1 - r0, k, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < count:
+        raise ValueError(f"out must be a contiguous bfloat16 tensor of at least {count} values")
+    else:
+        out = out.reshape(-1)[:count].view(r1 - r0, k)
+    lib.fb_int8_rows_bf16(q.data_ptr(), scales.data_ptr(), k, r0, r1, out.data_ptr())
+    return out
 
 
 def lut4_supported(row_len: int, group: int) -> bool:

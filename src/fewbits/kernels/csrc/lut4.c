@@ -31,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -247,7 +250,10 @@ static inline Table table_for(Table t, RowParams rp, int64_t g) {
 #define DECODE_SCALED(j, ts) \
     F lo, hi;                \
     decode_step(row_ + (j), (ts), &lo, &hi);
-#define TWO(p, j) f_two((p)[2 * (j) / group_], (p)[(2 * (j) + 16) / group_])
+/* the groups of a step's two halves (a division only for groups other than 16: NVFP4's 16 is
+ * the one that matters, and a division per step would cost more than the step) */
+#define GROUP_OF(k) (group_ == 16 ? (k) >> 4 : (k) / group_)
+#define TWO(p, j) f_two((p)[GROUP_OF(2 * (j))], (p)[GROUP_OF(2 * (j) + 16)])
 #define DECODE_MIXED(j)                                                                          \
     F lo, hi;                                                                                    \
     decode_step(row_ + (j), table_, &lo, &hi);                                                   \
@@ -406,7 +412,12 @@ static inline const float *param_row(const void *p, int32_t kind, int64_t n, int
     if (!p) return NULL;
     if (kind == P_F32) return (const float *)p + n * groups;
     const uint16_t *h = (const uint16_t *)p + n * groups;
-    for (int64_t g = 0; g < groups; g++) buf[g] = kind == P_F16 ? from_half(h[g]) : from_bf16(h[g]);
+    int64_t g = 0;
+#if defined(__F16C__)
+    if (kind == P_F16) /* the hardware conversion: exact, as from_half */
+        for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buf + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+#endif
+    for (; g < groups; g++) buf[g] = kind == P_F16 ? from_half(h[g]) : from_bf16(h[g]);
     return buf;
 }
 static inline RowParams row_params(const Params *P, int64_t n, int64_t groups, float *bs, float *bz, float *bm) {
