@@ -217,8 +217,8 @@ def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
     decodes = []
     real_decode = native.Lut4Weight.decode
     monkeypatch.setattr(native.Lut4Weight, "decode",
-                        lambda self, lib, r0, r1, dtype=torch.float32: decodes.append((r0, r1)) or real_decode(
-                            self, lib, r0, r1, dtype))
+                        lambda self, lib, r0, r1, dtype=torch.float32, out=None: decodes.append((r0, r1)) or real_decode(
+                            self, lib, r0, r1, dtype, out))
     m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant_fp32")
     before = len(calls)
     assert_close_to_reference(m, _x((n_big, 256)))
