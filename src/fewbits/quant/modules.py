@@ -51,7 +51,9 @@ differentiable in x.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -549,6 +551,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._install(qweight, kernel)
 
     def _install(self, qweight: QuantizedTensor, kernel: str) -> None:
+        self._handle = _register(self)
         self.kernel = kernel
         self._decoder = None
         self._lut4w = None
@@ -692,6 +695,12 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiling() and not (x.requires_grad and torch.is_grad_enabled()):
+            # under torch.compile the layer is one opaque op: no graph break around it
+            return quant_linear_op(x, self._handle)
+        return self._forward_eager(x)
+
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"QuantLinear takes a float tensor, got "
                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -861,6 +870,48 @@ def bf16_blocks(x2d: torch.Tensor) -> bool:
     oneDNN's bf16 GEMM runs 4-5x as fast as float32's). One rule for every weight-only kernel."""
     return (x2d.dtype == torch.float32 and x2d.shape[0] > LUT4_MAX_BATCH and x2d.device.type == "cpu"
             and ops.fast_bf16_matmul())
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: a QuantLinear is one custom op (torch.library), opaque to the compiler
+# ---------------------------------------------------------------------------------------------
+# The kernels are C calls, oneDNN's opaque tensors and per-call Python dispatch: dynamo would
+# break the graph at each of them. Instead a compiled model calls fewbits::quant_linear(x, handle)
+# for each layer, which runs the layer's eager forward; its fake implementation gives the output's
+# shape and dtype, so the graph around the layers (attention, norms, the KV cache) compiles whole.
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+
+
+def _register(module) -> int:
+    handle = next(_next_handle)
+    _LAYERS[handle] = module
+    return handle
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _layer(handle: int):
+    module = _LAYERS.get(handle)
+    if module is None:
+        raise RuntimeError(f"fewbits::quant_linear: the QuantLinear of handle {handle} no longer exists")
+    return module
+
+
+@torch.library.custom_op("fewbits::quant_linear", mutates_args=())
+def quant_linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """QuantLinear `handle`'s forward of x, as one op (what compiled models call)."""
+    y = _layer(handle)._forward_eager(x).contiguous()  # the layout the fake promises
+    return y.clone() if y.data_ptr() == x.data_ptr() else y  # an op's output never aliases its input
+
+
+@quant_linear_op.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    m = _layer(handle)
+    return x.new_empty(*x.shape[:-1], m.out_features)
 
 
 # ---------------------------------------------------------------------------------------------
