@@ -26,8 +26,9 @@ Variants (one row each, every row in the same run; --variants picks):
 - compiled (--compiled picks which of the above): fewbits.models.generation.CompiledGenerator:
   transformers' StaticCache plus torch.compile of the forward (inductor, --compile-mode; the
   decode step compiled, the prompt's forward run eagerly into the same static cache, unless
-  --compile-prefill). Its graph breaks (torch._dynamo's counters while compiling) are reported,
-  per row and by reason, never hidden;
+  --compile-prefill). fewbits' QuantLinear is one torch.library custom op under the compiler
+  (fewbits.quant.modules), so a quantized model compiles as one graph; any graph break
+  (torch._dynamo's counters while compiling) is reported, per row and by reason, never hidden;
 - llama.cpp (llama-cpp-python, benchmarks/setup_llama_cpp.sh) on GGUFs of the same weights:
   Q8_0, Q4_0, Q4_1 made by llama.cpp's own quantizer (llama_model_quantize, --pure) from an F32
   (SmolLM2) or BF16 (1B) GGUF that fewbits' write_gguf writes; n_threads = n_threads_batch = the
@@ -55,6 +56,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -84,7 +86,7 @@ def log(*args):
     print(*args, flush=True)
 
 
-SUFFIX = {"": "", "compile": " +compile", "compile-op": " +compile (opaque op)"}
+SUFFIX = {"": "", "compile": " +compile"}
 
 
 def label(variant: str, mode: str = "") -> str:
@@ -159,44 +161,6 @@ def build_torch(variant: str, directory: str):
         config = BitsAndBytesConfig(load_in_8bit=True)
     return AutoModelForCausalLM.from_pretrained(directory, quantization_config=config, device_map="cpu",
                                                 dtype=torch.bfloat16 if variant == "bnb-nf4" else torch.float32).eval()
-
-
-# A benchmark-only prototype of issue 15's plan for compiling quantized models: each QuantLinear
-# called through one torch.library custom op, which dynamo treats as opaque (its fake gives the
-# output's shape), so the graph around it is not broken. The op runs the module's own forward,
-# unchanged. fewbits itself is to register its modules' ops (fewbits.quant.modules); until then
-# this measures what that would buy.
-_OPAQUE: list = []
-
-
-@torch.library.custom_op("fewbits_bench::quant_linear", mutates_args=())
-def _quant_linear(x: torch.Tensor, key: int) -> torch.Tensor:
-    m = _OPAQUE[key]
-    return type(m).forward(m, x)
-
-
-@_quant_linear.register_fake
-def _(x, key):
-    return x.new_empty((*x.shape[:-1], _OPAQUE[key].out_features))
-
-
-def _opaque_forward(key: int, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.fewbits_bench.quant_linear(x, key)
-
-
-def opaque_copy(model):
-    """A deep copy of the model whose QuantLinear modules run through the opaque custom op."""
-    import copy
-    import functools
-
-    from fewbits.quant.modules import QuantLinear
-
-    model = copy.deepcopy(model)
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            _OPAQUE.append(m)
-            m.forward = functools.partial(_opaque_forward, len(_OPAQUE) - 1)
-    return model
 
 
 def kernels_of(model) -> str:
@@ -297,13 +261,14 @@ class LlamaRunner:
 # measuring
 # ---------------------------------------------------------------------------------------------
 def short_reasons(breaks: dict) -> dict:
-    """{first line of the reason + its op: count}, dynamo's reasons being paragraphs."""
+    """{first line of the reason, its explanation and op: count}, dynamo's reasons being paragraphs."""
     out = Counter()
     for reason, count in breaks.items():
         lines = [s.strip() for s in str(reason).splitlines() if s.strip()]
         head = lines[0] if lines else str(reason)
+        why = next((s.split(":", 1)[1].strip() for s in lines if s.startswith("Explanation:")), "")
         target = next((s.split("target:", 1)[1].strip() for s in lines if "target:" in s), "")
-        out[head + (f" [{target}]" if target else "")] += count
+        out[head + (f": {why}" if why else "") + (f" [{target}]" if target else "")] += count
     return dict(out)
 
 
@@ -319,25 +284,26 @@ def best(rounds: list[dict]) -> dict:
             "decode_s": min(r["decode_s"] for r in rounds), "rounds": len(rounds)}
 
 
-def linear_layers_ms(model, iters: int = 8) -> tuple[float, int]:
-    """(ms, layers): one batch-1 forward of every linear layer of the model (nn.Linear, fewbits'
-    QuantLinear, bitsandbytes' Linear4bit / Linear8bitLt: any leaf with in/out_features), each
-    timed alone in a loop, summed: what one decode step spends in its matmul layers, with no
-    profiler and no Python of the model around them."""
+def linear_layers_ms(model, iters: int = 4) -> tuple[float, int]:
+    """(ms, layers): the batch-1 forward of every linear layer of the model (nn.Linear, fewbits'
+    QuantLinear, bitsandbytes' Linear4bit / Linear8bitLt: any leaf with in/out_features), called
+    one after the other as a decode step calls them (so each weight comes from memory, not from a
+    cache kept warm by repeating one layer), per sweep: what one decode step spends in its matmul
+    layers, without the model's Python and ops around them."""
     dtype = model.get_input_embeddings().weight.dtype
     dtype = dtype if dtype.is_floating_point else torch.float32
     layers = [m for m in model.modules() if not list(m.children()) and hasattr(m, "in_features")
               and hasattr(m, "out_features")]
-    total = 0.0
+    inputs = [torch.randn(1, 1, m.in_features, dtype=dtype) for m in layers]
     with torch.inference_mode():
-        for m in layers:
-            x = torch.randn(1, 1, m.in_features, dtype=dtype)
+        for m, x in zip(layers, inputs):
             m(x)
-            t0 = time.perf_counter()
-            for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for m, x in zip(layers, inputs):
                 m(x)
-            total += (time.perf_counter() - t0) / iters
-    return 1e3 * total, len(layers)
+        seconds = (time.perf_counter() - t0) / iters
+    return 1e3 * seconds, len(layers)
 
 
 def profile_decode(model, ids, steps: int = 16) -> dict:
@@ -409,9 +375,7 @@ def run_model(name: str, args, work: str) -> dict:
         return m
 
     # keys: (variant, mode); per thread count: list of rounds
-    opaque = [v for v in args.opaque if v in variants and v in FEWBITS_SCHEMES]
-    keys = ([(v, "") for v in variants] + [(v, "compile") for v in compiled] + [(v, "compile-op") for v in opaque]
-            + [(v, "") for v in llama])
+    keys = [(v, "") for v in variants] + [(v, "compile") for v in compiled] + [(v, "") for v in llama]
     results = {t: {k: [] for k in keys} for t in args.threads}
     compile_info: dict = {}
     for threads in args.threads:
@@ -446,8 +410,6 @@ def run_model(name: str, args, work: str) -> dict:
                                 from fewbits.models.generation import CompiledGenerator
 
                                 torch._dynamo.reset()
-                                if comp == "compile-op":
-                                    model = opaque_copy(model)
                                 gen = CompiledGenerator(model, n_ctx, mode=args.compile_mode,
                                                         compile_prefill=args.compile_prefill)
                                 with warnings_quiet():
@@ -553,6 +515,7 @@ def report(name, args, rows, compile_info, notes, failed, profiles, n_batch) -> 
                    "same_as_fp32": same_prefix(r["tokens"], ref_tokens) if ref_tokens else None,
                    "compile_s": info["compile_s"] if info else None, "graphs": info["graphs"] if info else None,
                    "graph_breaks": breaks, "break_reasons": short_reasons(info["breaks"]) if info else None,
+                   "break_reasons_full": info["breaks"] if info else None,
                    "prefill_s": r["prefill_s"], "decode_s": r["decode_s"]}
             table_rows.append(row)
             cells = [row["variant"], f"{pre:.1f}", f"{dec:.1f}", f"{row['decode_over_q4_0']:.2f}",
@@ -580,8 +543,8 @@ def report(name, args, rows, compile_info, notes, failed, profiles, n_batch) -> 
         out["threads"][threads] = {"rows": table_rows, "targets": verdicts}
     if profiles:
         log(f"\n### where decode time goes ({args.threads[0]} thread(s); ms per token): 'decode' = a plain "
-            "decode step; 'linear layers' = every linear layer's batch-1 forward timed alone and summed (the rest "
-            "of a step is attention, norms, rotary, the model's Python); under torch.profiler (16 steps, its "
+            "decode step; 'linear layers' = every linear layer's batch-1 forward, called in turn as in a step (the "
+            "rest of a step is attention, norms, rotary, the model's Python); under torch.profiler (16 steps, its "
             "overhead included): 'ops' = self time of all aten/custom ops (fewbits' ctypes C kernels are not "
             "ops: nf4's matmul is outside 'ops')")
         for v, p in profiles.items():
@@ -633,10 +596,6 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None, help=f"of {', '.join(ALL_VARIANTS)} (default: all)")
     p.add_argument("--compiled", default=None,
                    help=f"variants also run compiled (default: {','.join(DEFAULT_COMPILED)}; 'none')")
-    p.add_argument("--opaque", default="none",
-                   help="fewbits variants also compiled with their QuantLinear layers as an opaque custom op "
-                        "(a benchmark prototype of the planned torch.library registration; e.g. int4,int8; "
-                        "default: %(default)s)")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode (default: inductor's default; e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--compile-prefill", action="store_true", help="compile the prompt's forward too")
@@ -664,10 +623,6 @@ def main(argv=None) -> int:
     args.compiled = ([] if args.compiled == "none" else
                      [v.strip().lower() for v in args.compiled.split(",") if v.strip()] if args.compiled
                      else list(DEFAULT_COMPILED))
-    args.opaque = [] if args.opaque == "none" else [v.strip().lower() for v in args.opaque.split(",") if v.strip()]
-    for v in args.opaque:
-        if v not in FEWBITS_SCHEMES:
-            p.error(f"unknown --opaque variant {v!r}; choose from {', '.join(FEWBITS_SCHEMES)}")
     for m in models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
@@ -691,6 +646,8 @@ def main(argv=None) -> int:
     from fewbits.hardware import machine_info
 
     hf_logging.disable_progress_bar()
+    # bitsandbytes' int8 matmul logs "inputs will be cast ... to float16" on every call
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     info = machine_info("cpu")
     log(f"CPU: {info['name']} ({os.cpu_count()} cores; torch capability {info['cpu_capability']}; matmul flags "
         f"{' '.join(info['matmul_flags'])}; native kernels {info['native_kernels']})")

@@ -59,8 +59,8 @@ def test_compiled_prefill_too_equals_eager(tiny):
 
 
 def test_compiled_quantized_model_equals_its_eager_tokens(tiny):
-    """A fewbits int4 model compiled: whatever breaks the graph is reported, and the tokens are
-    those of the same model run eagerly."""
+    """A fewbits int4 model compiled (each QuantLinear one torch.library op): one graph, no
+    breaks, and the tokens of the same model run eagerly."""
     import copy
 
     import fewbits as fb
@@ -72,7 +72,7 @@ def test_compiled_quantized_model_equals_its_eager_tokens(tiny):
     gen = CompiledGenerator(q, ids.shape[1] + NEW)
     got = gen.generate(ids, NEW)
     assert torch.equal(got.tokens, eager.tokens)
-    assert isinstance(gen.graph_breaks, dict) and got.graph_breaks == gen.graph_breaks
+    assert gen.graph_breaks == {} and got.graph_breaks == {} and gen.graphs == 1
 
 
 def test_bad_arguments(tiny):
