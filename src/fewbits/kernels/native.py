@@ -520,7 +520,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_quantize_rows_int8.restype = None
     lib.fb_scale_rows.argtypes = [p, i64, i64, i64, p, p]
     lib.fb_scale_rows.restype = None
-    lib.fb_int8_rows_bf16.argtypes = [p, p, i64, i64, i64, p]
+    lib.fb_int8_rows_bf16.argtypes = [p, i64, i64, i64, p]
     lib.fb_int8_rows_bf16.restype = None
     declare_lut4(lib)
     u32 = ctypes.c_uint32
@@ -655,17 +655,13 @@ def scale_rows_(lib: ctypes.CDLL, y: torch.Tensor, row_scales: torch.Tensor,
     return y
 
 
-def int8_rows_bf16(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor, r0: int, r1: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows r0..r1 of an int8 weight q [N, K] with float32 scales [N], dequantized (q * s, one
-    float32 product) and rounded to bfloat16 (nearest even; NaN -> 0x7FC0): [r1 - r0, K]. `out`:
-    a contiguous bfloat16 buffer of at least that many values to write into (reused from block to
-    block, it spares the page faults of fresh memory)."""
+def int8_rows_bf16(lib: ctypes.CDLL, q: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0..r1 of an int8 matrix q [N, K] as bfloat16 [r1 - r0, K], exactly (every int8 is a
+    bfloat16). `out`: a contiguous bfloat16 buffer of at least that many values to write into
+    (reused from block to block, it spares the page faults of fresh memory)."""
     if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
         raise ValueError(f"q must be a contiguous CPU int8 matrix, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
-    if scales.dtype != torch.float32 or scales.numel() != n or not scales.is_contiguous():
-        raise ValueError(f"scales must be {n} contiguous float32 values")
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"rows {r0}..{r1} out of 0..{n}")
     count = (r1 - r0) * k
@@ -675,7 +671,7 @@ def int8_rows_bf16(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor, r0: 
         raise ValueError(f"out must be a contiguous bfloat16 tensor of at least {count} values")
     else:
         out = out.reshape(-1)[:count].view(r1 - r0, k)
-    lib.fb_int8_rows_bf16(q.data_ptr(), scales.data_ptr(), k, r0, r1, out.data_ptr())
+    lib.fb_int8_rows_bf16(q.data_ptr(), k, r0, r1, out.data_ptr())
     return out
 
 

@@ -9,21 +9,28 @@ kernel         schemes and arithmetic (see fewbits.quant.lowbit_ops for each ker
 =============  ==================================================================================
 int4pack       int4 sym / uint4 asym (integer zero point or float minimum), groups of a multiple
                of 32 (or per channel / tensor): torch's packed int4 matmul; bfloat16
-               activations, bfloat16 (scale, zero) pairs.
+               activations, bfloat16 (scale, zero) pairs. Chosen where dequant's C kernels
+               cannot read the parameters as stored (q4_k's two-level scales) or are not built.
 int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: torch's int8
-               weight matmul; bfloat16 activations and scales.
+               weight matmul up to LUT4_MAX_BATCH rows (bfloat16 activations and scales);
+               larger float32 batches on CPUs with hardware bf16 (bf16_blocks): the int8 codes
+               as bfloat16 (exact) in oneDNN's bf16 GEMM with bf16 activations, the sums
+               rounded to bf16, then times the float32 row scales.
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
 w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
                only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
 bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
-dequant        everything else (nf4, fp8, mx*, nvfp4, int2/3, fp16, ...): the codes are decoded
-               and scaled in float32 (exactly QuantizedTensor.dequantize()) a block of output
-               rows at a time, each block multiplied at once, so no whole float weight exists.
-               4-bit symmetric schemes (nf4, mxfp4, nvfp4, fp4, int4 where int4pack cannot) use
-               C kernels where a C compiler is there (fewbits.kernels.native; the same float32
-               arithmetic): float32 inputs of up to LUT4_MAX_BATCH rows a fused matmul that
-               decodes the codes in registers, once per 8 rows of x; larger batches blocks of
-               rows decoded by C, then multiplied.
+dequant        everything else (nf4, int4, q4_0, q4_1, fp8, mx*, nvfp4, int2/3, fp16, ...): the
+               codes are decoded and scaled in float32 (exactly QuantizedTensor.dequantize()) a
+               block of output rows at a time, each block multiplied at once, so no whole float
+               weight exists. 4-bit schemes with per-group parameters use C kernels where a C
+               compiler is there (fewbits.kernels.native, csrc/lut4.c; the same float32
+               arithmetic): up to LUT4_MAX_BATCH rows a fused matmul that decodes the codes in
+               registers (float32 products and sums), larger batches blocks decoded by C. Larger
+               float32 batches on CPUs with hardware bf16 (bf16_blocks) multiply
+               bf16(dequantize()) blocks (round to nearest even) with bf16 activations in
+               oneDNN's bf16 GEMM, float32 accumulation, the result rounded to bf16.
+dequant_fp32   dequant with float32 blocks at every batch size (the exact path on every CPU).
 =============  ==================================================================================
 
 On CUDA (the module moved with .to("cuda"), or built from a weight there) the kernels are
@@ -736,14 +743,18 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
     def _forward_int8pack(self, x2d, bias, dtype):
         kt = self._qweight.kernel_tensors
         lib = native.library() if bf16_blocks(x2d) else None
-        if lib is not None:  # torch's int8 kernel is a GEMV: batches go to the bf16 GEMM
-            w, s = kt["weight"], self._int8_scales_f32
+        if lib is not None:
+            # torch's int8 kernel is a GEMV: batches go to the bf16 GEMM, the int8 codes as they
+            # are (exact in bf16), the rows' scales applied to the sums in float32 after it
+            w = kt["weight"]
             step = _rows_per_block(self.in_features, 8, torch.bfloat16)
             buf = torch.empty(min(step, self.out_features) * self.in_features, dtype=torch.bfloat16)
             with ops.one_thread_if_small(x2d.numel()):
                 xm = x2d.to(torch.bfloat16)
-            return _block_matmul(xm, self.out_features, step,
-                                 lambda r0, r1: native.int8_rows_bf16(lib, w, s, r0, r1, out=buf), bias, dtype)
+            y = _block_matmul(xm, self.out_features, step,
+                              lambda r0, r1: native.int8_rows_bf16(lib, w, r0, r1, out=buf), None, torch.bfloat16)
+            with ops.one_thread_if_small(y.numel()):
+                return _with_bias(y.to(torch.float32).mul_(self._int8_scales_f32), bias, dtype)
         with ops.one_thread_if_small(x2d.numel()):
             xb = x2d.to(torch.bfloat16).contiguous()
         y = ops.int8_weight_matmul(xb, kt["weight"], kt["scales_bf16"])

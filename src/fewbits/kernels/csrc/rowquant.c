@@ -137,35 +137,26 @@ void fb_scale_rows(float *y, int64_t m, int64_t n, int64_t ld, const float *sx, 
     }
 }
 
-/* Rows [r0, r1) of an int8 weight [N, K] with one float32 scale per row, dequantized and rounded
- * to bfloat16 for a bf16 GEMM: out[(n - r0) * K + k] = bf16(q[n, k] * s[n]), the float32 product
- * (exactly QuantizedTensor.dequantize()'s) rounded to nearest even; NaN -> 0x7FC0. Rows are
- * shared out over torch's OpenMP threads for larger blocks. */
-void fb_int8_rows_bf16(const int8_t *q, const float *s, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
+/* Rows [r0, r1) of an int8 weight [N, K] as bfloat16, exactly (|q| <= 128 needs 8 bits of
+ * significand): out[(n - r0) * K + k] = q[n, k], for a bf16 GEMM whose rows are scaled after.
+ * Rows are shared out over torch's OpenMP threads for larger blocks. */
+void fb_int8_rows_bf16(const int8_t *q, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
 #pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
     for (int64_t n = r0; n < r1; n++) {
         const int8_t *row = q + n * K;
         uint16_t *o = out + (n - r0) * K;
-        const float sn = s[n];
         int64_t k = 0;
 #ifdef FB_AVX512
-        const __m512 vs = _mm512_set1_ps(sn);
         for (; k + 16 <= K; k += 16) {
-            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k)))), vs);
-            const __m512i u = _mm512_castps_si512(v);
-            __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-            r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
-                                        _mm512_set1_epi32(0x7FC0));
-            _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(r));
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
+            _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
         }
 #endif
         for (; k < K; k++) {
-            const float v = (float)row[k] * sn;
+            const float v = (float)row[k];
             uint32_t u;
             memcpy(&u, &v, 4);
-            const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-            o[k] = (uint16_t)(v != v ? 0x7FC0u : r);
+            o[k] = (uint16_t)(u >> 16); /* exact: the low 16 bits are zero */
         }
     }
 }
