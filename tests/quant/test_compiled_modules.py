@@ -34,10 +34,47 @@ def test_the_op_is_the_layers_forward_and_checks_as_a_custom_op():
     layer = model[0]
     x = torch.randn(5, 256)
     with torch.inference_mode():
-        assert torch.equal(quant_linear_op(x, layer._handle), layer(x))
-    torch.library.opcheck(quant_linear_op, (x, layer._handle),
+        assert torch.equal(quant_linear_op(x, layer._handle_tensor, 512), layer(x))
+    torch.library.opcheck(quant_linear_op, (x, layer._handle_tensor, 512),
                           test_utils=("test_schema", "test_faketensor"))
-    handle = layer._handle
+    with pytest.raises(RuntimeError, match="outputs"):
+        quant_linear_op(x, layer._handle_tensor, 7)
+    handle = layer._handle_tensor.clone()
     del model, layer
     with pytest.raises(RuntimeError, match="no longer exists"):
-        quant_linear_op(x, handle)
+        quant_linear_op(x, handle, 512)
+
+
+def test_identical_layers_share_one_compiled_graph():
+    """The handle reaches the compiled code as a tensor input, not as a guarded constant:
+    compiling each of 10 identical blocks separately compiles one frame, not one per layer (the
+    recompile limit would leave the rest uncompiled)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(QuantLinear.from_linear(nn.Linear(64, 64), "int4_g32"), nn.ReLU()) for _ in range(10)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        for b in blocks:
+            b.compile()
+            want = b._orig_mod(x) if hasattr(b, "_orig_mod") else None
+            y = b(x)
+            if want is not None:
+                assert torch.equal(y, want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_trainable_bias_keeps_its_gradient_under_compile():
+    lin = nn.Linear(64, 32)
+    m = QuantLinear.from_linear(lin, "nf4")
+    m.bias.requires_grad_(True)
+    torch._dynamo.reset()
+    y = torch.compile(m)(torch.randn(3, 64))
+    y.sum().backward()
+    assert m.bias.grad is not None and torch.equal(m.bias.grad, torch.full((32,), 3.0))
+
+
+def test_export_is_refused_clearly():
+    m = nn.Sequential(QuantLinear.from_linear(nn.Linear(64, 32), "int8"))
+    with pytest.raises(Exception, match="torch.export of a QuantLinear is not supported"):
+        torch.export.export(m, (torch.randn(2, 64),))

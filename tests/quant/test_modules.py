@@ -567,3 +567,30 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, monkeypatch
     y = exact(x)
     tol = 256 * 2.0 ** -23 * (x.abs() @ exact.qweight.dequantize(torch.float32).abs().t()) + 1e-6
     assert bool(((y - exact.reference_forward(x)).abs() <= tol + exact.bias.abs()).all())
+
+
+def test_nbytes_counts_what_a_kernel_derives_and_holds():
+    """Parameters a kernel keeps in a form of its own (int4_asym's zero points as float32 for the
+    C kernels, a per-tensor scale repeated per row) are counted in nbytes; views of what the
+    QuantizedTensor stores are not counted twice."""
+    from fewbits.kernels import native
+    if native.library() is None:
+        pytest.skip(native.status()["reason"])
+    asym = QuantLinear.from_linear(_linear(64, 256), "int4_asym")
+    assert asym.kernel == "dequant"
+    groups = 256 // get_scheme("int4_asym").group_size
+    assert asym.nbytes == asym.qweight.nbytes + 4 * 64 * groups
+    nf4 = QuantLinear.from_linear(_linear(64, 256), "nf4")
+    assert nf4.nbytes == nf4.qweight.nbytes  # float32 scales read as stored
+    per_tensor = QuantLinear.from_linear(_linear(64, 256), "int8_tensor")
+    if per_tensor.kernel == "int8pack":
+        assert per_tensor.nbytes >= per_tensor.qweight.nbytes + 4 * 64
+
+
+def test_the_4bit_kernels_refuse_tensors_off_the_cpu():
+    from fewbits.kernels import native
+    table = torch.zeros(16)
+    with pytest.raises(ValueError, match="CPU"):
+        native.Lut4Weight(torch.zeros(64, dtype=torch.uint8, device="meta"), torch.ones(2, 1), table, 2, 64, 64)
+    with pytest.raises(ValueError, match="CPU"):
+        native.Lut4Weight(torch.zeros(64, dtype=torch.uint8), torch.ones(2, 1, device="meta"), table, 2, 64, 64)

@@ -708,8 +708,10 @@ class Lut4Weight:
                  zero_points: torch.Tensor | None = None, minimums: torch.Tensor | None = None):
         if not lut4_supported(row_len, group):
             raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
-        if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2:
-            raise ValueError(f"codes must be uint8 with at least {n * row_len // 2} bytes")
+        if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2 or codes.device.type != "cpu":
+            raise ValueError(f"codes must be CPU uint8 with at least {n * row_len // 2} bytes")
+        if table.device.type != "cpu":
+            raise ValueError("the table must be a CPU tensor")
         self.n, self.row_len, self.group = int(n), int(row_len), int(group)
         groups = row_len // group
         self._keep = []
@@ -718,8 +720,9 @@ class Lut4Weight:
             scale_codes, scale_table, scale_mul = scales
             scale_codes = scale_codes.reshape(-1).contiguous()
             scale_table = scale_table.to(torch.float32).contiguous()
-            if scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256:
-                raise ValueError(f"coded scales need {n * groups} byte codes and a table of 256 values")
+            if (scale_codes.dtype != torch.uint8 or scale_codes.numel() != n * groups or scale_table.numel() != 256
+                    or scale_codes.device.type != "cpu" or scale_table.device.type != "cpu"):
+                raise ValueError(f"coded scales need {n * groups} CPU byte codes and a CPU table of 256 values")
             self._keep += [scale_codes, scale_table]
             p.s_codes, p.s_table, p.s_mul = scale_codes.data_ptr(), scale_table.data_ptr(), float(scale_mul)
         else:
@@ -745,6 +748,12 @@ class Lut4Weight:
         self._keep.append(t)
         return t.data_ptr(), _PARAM_KINDS[t.dtype]
 
+    def own_nbytes(self, others) -> int:
+        """Bytes of the tensors this weight holds that share no storage with any of `others`
+        (the QuantizedTensor's own tensors): what it derived, e.g. float32 zero points."""
+        ptrs = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
+        return sum(t.nbytes for t in self._keep if t.untyped_storage().data_ptr() not in ptrs)
+
     def matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
         """x [M, k <= row_len] float32 @ W.T -> [M, n] float32 (columns from k on are padding:
         x is read as zero there). The output rows are shared out over torch's OpenMP threads
@@ -758,7 +767,7 @@ class Lut4Weight:
         rc = lib.fb_lut4_matmul(x.data_ptr(), x.stride(0), x.shape[1], self._codes.data_ptr(), self._params_ref,
                                 self._table.data_ptr(), m, self.n, self.row_len, self.group, y.data_ptr())
         if rc:
-            raise (MemoryError("fb_lut4_matmul could not allocate its copy of x") if rc == -2
+            raise (MemoryError("fb_lut4_matmul could not allocate its copy of x or its scratch") if rc == -2
                    else RuntimeError("fb_lut4_matmul refused its arguments"))
         return y
 
@@ -780,9 +789,11 @@ class Lut4Weight:
             if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < count:
                 raise ValueError(f"out must be a contiguous CPU {dtype} tensor of at least {count} values")
             out = out.reshape(-1)[:count].view(r1 - r0, self.row_len)
-        if lib.fb_lut4_decode(self._codes.data_ptr(), self._params_ref, self._table.data_ptr(), self.row_len,
-                              self.group, r0, r1, out.data_ptr(), 1 if dtype == torch.bfloat16 else 0):
-            raise RuntimeError("fb_lut4_decode refused its arguments")
+        rc = lib.fb_lut4_decode(self._codes.data_ptr(), self._params_ref, self._table.data_ptr(), self.row_len,
+                                self.group, r0, r1, out.data_ptr(), 1 if dtype == torch.bfloat16 else 0)
+        if rc:
+            raise (MemoryError("fb_lut4_decode could not allocate its scratch") if rc == -2
+                   else RuntimeError("fb_lut4_decode refused its arguments"))
         return out
 
 

@@ -446,9 +446,9 @@ class _QuantizedWeightViews:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for the weight (codes, scales, zero points, kernel-side tensors); a float
-        bias is not included."""
-        return self._qweight.nbytes
+        """Bytes held for the weight (codes, scales, zero points, kernel-side tensors, parameters
+        a kernel keeps derived); a float bias is not included."""
+        return self._qweight.nbytes + getattr(self, "_kernel_extra_nbytes", 0)
 
     # --- state_dict / load_state_dict ---------------------------------------------------------
     # The quantized weight is no Parameter, so torch would leave it out of model.state_dict(). It
@@ -559,6 +559,11 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
 
     def _install(self, qweight: QuantizedTensor, kernel: str) -> None:
         self._handle = _register(self)
+        # the handle as a tensor: torch.compile passes it as an input instead of guarding on its
+        # value, so identical layers share one compiled graph (a plain attribute, not a buffer: it
+        # is no part of the model's state or size, and stays on the CPU)
+        self._handle_tensor = torch.tensor(self._handle, dtype=torch.int64)
+        self._kernel_extra_nbytes = 0
         self.kernel = kernel
         self._decoder = None
         self._lut4w = None
@@ -630,6 +635,11 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
     def _build_dequant(self, qt: QuantizedTensor) -> QuantizedTensor:
         if _RowDecoder.supports(qt):
             self._decoder = _RowDecoder(qt)
+            lib = native.library() if self._decoder.lut4 and qt.device.type == "cpu" else None
+            if lib is not None and _RowDecoder.lut4_params_held(qt.scheme):
+                # built once here; what it derives (float32 zero points, a per-tensor scale
+                # repeated per row) is held, and counted in nbytes
+                self._lut4w, self._kernel_extra_nbytes = self._new_lut4_weight(qt, self._decoder)
         return qt
 
     _build_dequant_fp32 = _build_dequant
@@ -652,6 +662,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         s = ops.aligned(self._weight_scales(qt).to(torch.bfloat16))
         # float32 scales for the bf16 block path (a view of the stored ones for per-channel fp32)
         self._int8_scales_f32 = self._weight_scales(qt)
+        if qt.scales is None or not _same_storage(self._int8_scales_f32, qt.scales):
+            self._kernel_extra_nbytes = self._int8_scales_f32.nbytes
         return KernelQuantizedTensor(qt, {"weight": w, "scales_bf16": s})
 
     def _build_w8a8_int_mm(self, qt: QuantizedTensor) -> QuantizedTensor:
@@ -702,9 +714,15 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _compiling() and not (x.requires_grad and torch.is_grad_enabled()):
-            # under torch.compile the layer is one opaque op: no graph break around it
-            return quant_linear_op(x, self._handle)
+        if _compiling():
+            if _exporting():
+                raise NotImplementedError(
+                    "torch.export of a QuantLinear is not supported: its kernel is a handle to this process's "
+                    "module, which an exported program could not carry; export the float model, or use "
+                    "torch.compile")
+            if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))):
+                # under torch.compile the layer is one opaque op: no graph break around it
+                return quant_linear_op(x, self._handle_tensor, self.out_features)
         return self._forward_eager(x)
 
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
@@ -794,17 +812,10 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         with ops.one_thread_if_small(acc.numel()):
             return _rescaled(acc.to(torch.float32).mul_(kt["weight_scales"]), sx.unsqueeze(1), bias, dtype)
 
-    def _lut4_weight(self, lib):
-        """The weight prepared for fewbits' 4-bit C kernels, or None where the codes cannot go
-        through them. Kept from call to call where it reads the parameters as stored (see
-        _RowDecoder.lut4_params_held; float32 zero points, at most 1/8 of the codes' bytes, are
-        kept too); otherwise the derived parameters are computed again for each call."""
-        if lib is None:
-            return None
-        w = self._lut4w
-        if w is not None:
-            return w
-        qt, dec, s = self._qweight, self._decoder, self.scheme
+    def _new_lut4_weight(self, qt: QuantizedTensor, dec: _RowDecoder):
+        """(the weight prepared for fewbits' 4-bit C kernels, the bytes it holds of its own: the
+        parameters it derived rather than reads as the QuantizedTensor stores them)."""
+        s = qt.scheme
         held = _RowDecoder.lut4_params_held(s)
         with ops.one_thread():  # small next to the codes: a parallel region costs more
             coded = dec.coded_scales()
@@ -817,7 +828,18 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             mins = qt.minimums if held and s.zero_point == "float" else qt.minimum_values()
         w = native.Lut4Weight(qt.codes, scales, ops.value_table(dec.fmt), self.out_features, dec.row_len,
                               dec.group_len, zero_points=zps, minimums=mins)
-        if held and (zps is None or 4 * zps.numel() * 8 <= qt.codes.numel()):
+        return w, w.own_nbytes(list(qt.state_dict().values()))
+
+    def _lut4_weight(self, lib):
+        """The weight prepared for fewbits' 4-bit C kernels (built with the module where its
+        parameters are read as stored, see _build_dequant; otherwise built for each call), or
+        None where the codes cannot go through them."""
+        if lib is None:
+            return None
+        if self._lut4w is not None:
+            return self._lut4w
+        w, own = self._new_lut4_weight(self._qweight, self._decoder)
+        if own == 0:  # holds nothing of its own: keep it
             self._lut4w = w
         return w
 
@@ -912,17 +934,25 @@ def _layer(handle: int):
     return module
 
 
+def _exporting() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_exporting") and compiler.is_exporting())
+
+
 @torch.library.custom_op("fewbits::quant_linear", mutates_args=())
-def quant_linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """QuantLinear `handle`'s forward of x, as one op (what compiled models call)."""
-    y = _layer(handle)._forward_eager(x).contiguous()  # the layout the fake promises
+def quant_linear_op(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The forward of x by the QuantLinear whose handle `handle` holds (its out_features given
+    for the output's shape), as one op: what compiled models call."""
+    m = _layer(int(handle))
+    if m.out_features != out_features:
+        raise RuntimeError(f"fewbits::quant_linear: handle {int(handle)} has {m.out_features} outputs, not {out_features}")
+    y = m._forward_eager(x).contiguous()  # the layout the fake promises
     return y.clone() if y.data_ptr() == x.data_ptr() else y  # an op's output never aliases its input
 
 
 @quant_linear_op.register_fake
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    m = _layer(handle)
-    return x.new_empty(*x.shape[:-1], m.out_features)
+def _(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,14 @@
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ID omp_get_thread_num()
+#define MAX_THREADS omp_get_max_threads()
+#else
+#define THREAD_ID 0
+#define MAX_THREADS 1
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -459,7 +467,13 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
     const int64_t half = K / 2, groups = K / group;
     const int64_t rows = M < MAX_M ? M : MAX_M;
     float *split = malloc(sizeof(float) * (size_t)(2 * rows * half + 1));
-    if (!split) return -2;
+    /* each thread's row of converted parameters (on the heap: rows may have millions of groups) */
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
+    if (!split || !scratch) {
+        free(split);
+        free(scratch);
+        return -2;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         const int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
         float *xe = split, *xo = split + mr * half;
@@ -480,12 +494,13 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
 #pragma omp parallel for schedule(static) if (N >= 64)
         for (int64_t n = 0; n < N; n++) {
             if (n + PREFETCH_ROWS < N) prefetch_row(codes, half, n + PREFETCH_ROWS);
-            float bs[groups], bz[groups], bm[groups];
-            const RowParams rp = row_params(P, n, groups, bs, bz, bm);
+            float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
+            const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
             row_any(xe, xo, codes + n * half, rp, table, half, group, yc, N, n, mr);
         }
     }
     free(split);
+    free(scratch);
     return 0;
 }
 
@@ -494,16 +509,18 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
  * enough that a GEMM on decoded blocks wins. out_bf16 = 0: float32 out; 1: uint16 bfloat16 bit
  * patterns, each float32 weight rounded to nearest even (what .to(torch.bfloat16) of the float32
  * weight gives for numbers; every NaN becomes 0x7FC0). Parameters as in fb_lut4_matmul. Returns 0, or
- * -1 for an unsupported shape. */
+ * -1 for an unsupported shape, -2 when its scratch cannot be allocated. */
 int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table16, int64_t K,
                        int64_t group, int64_t r0, int64_t r1, void *out, int32_t out_bf16) {
     if (!shape_ok(K, group) || !params_ok(P)) return -1;
     const Table table = table_load(table16);
     const int64_t half = K / 2, groups = K / group;
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
+    if (!scratch) return -2;
 #pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
     for (int64_t n = r0; n < r1; n++) {
-        float bs[groups], bz[groups], bm[groups];
-        const RowParams rp = row_params(P, n, groups, bs, bz, bm);
+        float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
+        const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
         const uint8_t *row = codes + n * half;
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + (n - r0) * K;
@@ -522,5 +539,6 @@ int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table
             FOR_EACH_STEP(row, rp, table, half, group, STORE_F32);
         }
     }
+    free(scratch);
     return 0;
 }
