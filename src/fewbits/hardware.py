@@ -334,7 +334,7 @@ def availability(dtype: str, device: str = "cpu") -> tuple[bool, str]:
         except (RuntimeError, NotImplementedError) as exc:
             return False, f"torch._int_mm fails here: {str(exc).splitlines()[0][:80]}"
         return True, ""
-    if dtype == "fp16" and dev.type == "cpu" and not _cpu_flags() & {"avx512_fp16", "amx_fp16"}:
+    if dtype == "fp16" and dev.type == "cpu" and not native.cpu_flags() & {"avx512_fp16", "amx_fp16"}:
         return True, "no fp16 units in this CPU: a slow fallback"
     return True, ""
 
@@ -382,17 +382,6 @@ def measure_shape(shape: MatmulShape, dtype: str, budget_s: float = 1.0, device:
 # ---------------------------------------------------------------------------------------------
 # the whole probe
 # ---------------------------------------------------------------------------------------------
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def machine_info(device: str = "cpu") -> dict:
     dev = torch.device(device)
     info = {"device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -412,7 +401,7 @@ def machine_info(device: str = "cpu") -> dict:
     info["name"] = name
     info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_fp16")
-    info["matmul_flags"] = [f for f in wanted if f in _cpu_flags()]
+    info["matmul_flags"] = [f for f in wanted if f in native.cpu_flags()]
     st = native.status()
     info["native_kernels"] = "yes" if st["available"] else f"no ({st['reason']})"
     return info

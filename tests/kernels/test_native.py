@@ -195,13 +195,12 @@ def test_lut4_matmul_equals_the_decoded_product_and_checks_its_arguments(lib):
         w = table[nib] * scales.repeat_interleave(group, dim=1)  # float32, one rounding: as in C
         for m in (1, 8, 13):
             x = torch.randn(m, k, generator=g)
-            y = native.lut4_matmul(lib, x, codes, scales, table, n, row_len, group)
+            y = native.Lut4Weight(codes, scales, table, n, row_len, group).matmul(lib, x)
             ref = x.double() @ w[:, :k].double().t()
             bound = 64 * 2.0 ** -24 * (x.abs().double() @ w[:, :k].abs().double().t())
             assert bool(((y.double() - ref).abs() <= bound + 1e-30).all()), (n, k, m)
     with pytest.raises(ValueError, match="multiples of 32"):
-        native.lut4_matmul(lib, torch.zeros(1, 48), torch.zeros(48, dtype=torch.uint8), torch.ones(2, 3),
-                           table, 2, 48, 16)
+        native.Lut4Weight(torch.zeros(48, dtype=torch.uint8), torch.ones(2, 3), table, 2, 48, 16)
     with pytest.raises(ValueError, match="float32"):
-        native.lut4_matmul(lib, torch.zeros(1, 64, dtype=torch.float64), torch.zeros(64, dtype=torch.uint8),
-                           torch.ones(2, 1), table, 2, 64, 64)
+        native.Lut4Weight(torch.zeros(64, dtype=torch.uint8), torch.ones(2, 1), table, 2, 64, 64).matmul(
+            lib, torch.zeros(1, 64, dtype=torch.float64))

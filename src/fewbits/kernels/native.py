@@ -797,18 +797,6 @@ class Lut4Weight:
         return out
 
 
-def lut4_matmul(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales, table: torch.Tensor, n: int,
-                row_len: int, group: int) -> torch.Tensor:
-    """Lut4Weight(codes, scales, table, n, row_len, group).matmul(lib, x)."""
-    return Lut4Weight(codes, scales, table, n, row_len, group).matmul(lib, x)
-
-
-def lut4_decode(lib: ctypes.CDLL, codes: torch.Tensor, scales, table: torch.Tensor, n: int, row_len: int,
-                group: int, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Lut4Weight(codes, scales, table, n, row_len, group).decode(lib, r0, r1, dtype)."""
-    return Lut4Weight(codes, scales, table, n, row_len, group).decode(lib, r0, r1, dtype)
-
-
 # --- rounding of float32 values (round32.c) ------------------------------------------------
 def _check_flat(x: torch.Tensor, out: torch.Tensor) -> None:
     for t in (x, out):
