@@ -92,6 +92,8 @@ def main(argv=None):
                ("fewbits bf16-mixed", "fewbits", "bf16-mixed", None),
                ("fewbits bf16-mixed + telemetry", "fewbits", "bf16-mixed", "tel"),
                ("fewbits fp8-hybrid", "fewbits", "fp8-hybrid", None),
+               ("fewbits int8-mixed", "fewbits", "int8-mixed", None),
+               ("fewbits int8-mixed-gw8", "fewbits", "int8-mixed-gw8", None),
                ("fewbits fp16-mixed", "fewbits", "fp16-mixed", None)]
     if args.only:
         keep = {s.strip() for s in args.only.split(",")}

@@ -33,8 +33,7 @@ import math
 import torch
 
 from ..formats import LookupFormat, get_format, torch_dtype
-from ..kernels import decode, native, pack, unpack
-from .scales import divide, reciprocal
+from ..kernels import decode, int8, native, pack, unpack
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the group sizes tinygemm's CPU kernel accepts
 INT4_N_MULTIPLE = 16
@@ -249,85 +248,11 @@ def int8_int8_matmul_onednn(q_act_u8: torch.Tensor, prepacked: torch.Tensor, w_s
                                               1.0, 0, torch.float32, "none", [], "")
 
 
-INT_MM_CUDA_MIN_ROWS = 17  # cuBLASLt's int8 GEMM behind torch._int_mm refuses M <= 16
-
-
-def int8_int8_matmul(q_act: torch.Tensor, w_int8: torch.Tensor) -> torch.Tensor:
-    """Exact int32 q_act [M, K] @ w_int8[N, K].T with torch._int_mm (no shape limits on CPU;
-    on CUDA K and N are multiples of 8, and fewer than 17 rows are padded with zero rows)."""
-    m = q_act.shape[0]
-    if q_act.device.type == "cuda" and m < INT_MM_CUDA_MIN_ROWS:
-        padded = q_act.new_zeros(INT_MM_CUDA_MIN_ROWS, q_act.shape[1])
-        padded[:m] = q_act
-        return torch._int_mm(padded, w_int8.t())[:m]
-    return torch._int_mm(q_act, w_int8.t())
-
-
-def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, saturate: bool = True,
-                       offset: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 quantization of activations, with the arithmetic of
-    fewbits.quant.quantize(x, int8 absmax scheme): scale = amax / 127 (rounded to the scheme's
-    scale format by `round_scale`; None keeps float32 scales), q = round_half_even(x * (1 /
-    scale)) saturated to int8, a zero scale read as 1, and 0 where that product is NaN (0 times
-    the infinite reciprocal of a scale below 2^-128). Returns (q, scale float32 [M] or [1]); q
-    is int8, or with `offset` uint8 holding q + 128 (what oneDNN's uint8 GEMM takes).
-
-    backend "auto" runs the fused C kernels of fewbits.kernels.native where they could be built
-    and torch ops otherwise; "torch" and "native" force one (the two agree bit for bit).
-    saturate=False lets the torch path skip the clamp where it cannot change anything: with
-    float32 scales of normal magnitude |x * (1 / scale)| <= 127 (1 + 2^-22) rounds to at most
-    127. Scales rounded to a narrower format may round down, and subnormal ones lose precision:
-    those are clamped."""
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
-    x = x2d.to(torch.float32)
-    if backend != "torch" and x.device.type == "cpu":
-        lib = native.library()
-        if lib is not None:
-            return _quantize_rows_int8_native(lib, x, per_row, round_scale, offset)
-    if backend == "native":
-        raise RuntimeError(f"the native kernels are not available: {native.status()['reason']}")
-    round_scale = round_scale or (lambda v: v)
-    # max(amax, -amin) reads x twice and allocates nothing as big as x (abs() would; and
-    # vector_norm(inf) is ~20x slower in torch 2.x); all of them propagate NaN
-    if per_row:
-        amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
-    else:
-        amax = torch.maximum(x.amax(), x.amin().neg_()).reshape(1)
-    lo, hi = torch.aminmax(amax)  # one small reduction answers both checks below
-    lo, hi = float(lo), float(hi)
-    if not math.isfinite(hi):
-        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
-    scale = round_scale(divide(amax, 127.0))
-    recip = 1.0 / (scale if lo > 0 else torch.where(scale == 0, torch.ones_like(scale), scale))
-    t = torch.mul(x, recip.unsqueeze(1)).round_()
-    if lo < 2.0 ** -100:  # a subnormal scale: 1 / scale may be inf, 0 * inf NaN
-        t.nan_to_num_(0.0)
-    if saturate or lo < 2.0 ** -100:
-        t.clamp_(-128, 127)
-    q = t.to(torch.int8)  # float -> int8 and a bit flip are ~3x faster than float -> uint8
-    if offset:
-        u = q.view(torch.uint8)
-        return torch.bitwise_xor(u, 0x80, out=u), scale
-    return q, scale
-
-
-def _quantize_rows_int8_native(lib, x: torch.Tensor, per_row: bool, round_scale, offset: bool):
-    """quantize_rows_int8 with the amax and the quantization each one fused pass of C (see
-    fewbits.kernels.native); bit-identical to quantize_rows_int8's torch path (tested)."""
-    if x.stride(1) != 1 or (not per_row and not x.is_contiguous()):
-        x = x.contiguous()
-    rows = x if per_row else x.reshape(1, -1)
-    if round_scale is None:
-        scale, recip, bad = native.row_int8_scales(lib, rows)
-    else:
-        amax, bad = native.row_absmax(lib, rows)
-    if bad:
-        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
-    if round_scale is not None:
-        scale = round_scale(amax / 127.0)
-        recip = reciprocal(scale)
-    return native.quantize_rows_int8(lib, x, recip, offset), scale
+# int8 x int8 GEMMs and the dynamic int8 activation quantizer live in kernels.int8 (training's
+# int8-mixed policy uses them too); these names stay for the quantized modules
+INT_MM_CUDA_MIN_ROWS = int8.INT_MM_CUDA_MIN_ROWS
+int8_int8_matmul = int8.int8_int8_matmul
+quantize_rows_int8 = int8.quantize_rows_int8
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from ..formats import IntFormat, get_format
 from ..kernels import decode, encode, native, round as fb_round
+from ..kernels.int8 import divide, reciprocal  # noqa: F401 - the scales' arithmetic, shared with int8 GEMMs
 from .scheme import DOUBLE_QUANT_BLOCK, QuantScheme, scale_format_of
 
 _E8M0_BIAS = 127
@@ -60,20 +61,6 @@ def round_scales(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
         return scale
     fmt = scale_format_of(scale_format)
     return fb_round(scale, fmt, overflow="saturate")
-
-
-def divide(a: torch.Tensor, b: float) -> torch.Tensor:
-    """a / b, correctly rounded on every device. CUDA divides a tensor by a Python number as
-    a * (1 / b), which can round differently from the CPU's a / b; a divisor that is a tensor on
-    the device gets CUDA's true division, so the scales come out bit-identical to the CPU's."""
-    if a.device.type == "cpu":
-        return a / b
-    return a / a.new_full((), b)  # a fill on the device: no host-to-device copy per call
-
-
-def reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    """1/scale with zero scales mapped to 1 (an all-zero group stays zero either way)."""
-    return 1.0 / torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def times_reciprocal(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from ..formats import get_format
 from .casts import cast, native_dtype, round_to, saturates
 from .fp8 import ScaledCast
+from .gemm import LinearCall, lowp_linear, plan_route
 from .optim import StateStore, land_update
 from .policy import Policy
 from .scaler import LossScaler
@@ -139,7 +140,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: Policy | str = "bf16-mixed",
                  *, telemetry: Telemetry | bool | None = None, seed: int = 0, detect_overflow: bool | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, gemm: str = "auto"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -168,6 +169,9 @@ class Engine:
         self.cast_activations = get_format(pol.activations).name != compute_fmt
         self.needs_mode = (self.cast_forward or self.cast_backward or self.cast_activations
                            or self.storage_dtype != self.compute_dtype)
+        # linear layers whose formats have GEMMs of their own (train/gemm.py): int8, FP8 on FP8
+        # hardware, row-wise FP8 anywhere; None: casts around GEMMs in the compute dtype
+        self.gemm_route = plan_route(pol, self.device, gemm)
         if telemetry is True:
             telemetry = Telemetry()
         self.telemetry: Telemetry | None = telemetry or None
@@ -415,6 +419,48 @@ class Engine:
             tel.record_cast(step, layer, role, sc.fmt, before, after, top)
         return observe
 
+    @property
+    def gemm_path(self) -> str:
+        """How this engine runs the model's matmuls, in words (what the benchmarks and README print)."""
+        dtype = str(self.compute_dtype).replace("torch.", "")
+        if self.gemm_route is not None:
+            rest = ("; other matmuls: " + dtype) if self.policy.matmuls == "linear" else \
+                (f"; other matmuls: {dtype} GEMMs of emulated {self.policy.forward} / {self.policy.backward} values")
+            return f"linear layers: {self.gemm_route.describe()}{rest}"
+        if self.cast_forward or self.cast_backward:
+            return (f"{dtype} GEMMs of values rounded to {self.policy.forward} (forward) / "
+                    f"{self.policy.backward} (backward): emulated")
+        return f"{dtype} GEMMs (native dtype)"
+
+    def _linear(self, layer, idx, args, kwargs):
+        """F.linear on the engine's GemmRoute: the three GEMMs in train/gemm.py."""
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        cd = self.compute_dtype
+        x, w = x.to(cd), w.to(cd)
+        b = b.to(cd) if b is not None else None
+        pol, route, grad = self.policy, self.gemm_route, torch.is_grad_enabled()
+        call = LinearCall(route, cd, label=layer, modes=(pol.forward_rounding, pol.backward_rounding),
+                          generator=self.generators["cast"])
+        if route.rowwise:
+            call.forward_log = self._forward_log() if grad else None
+            call.backward_log = self._cast_flags
+        else:  # per tensor: the emulation's own casts (state, checkpoints and telemetry alike)
+            casts = []
+            for key, role, obs in (((layer, idx, 0, "forward"), "forward", f"{layer}#{idx}.0"),
+                                   ((layer, idx, 1, "forward"), "forward", f"{layer}#{idx}.1"),
+                                   ((layer, idx, "backward"), "backward", f"{layer}#{idx}")):
+                slot = self._slot(key, role)
+                slot.observer = self._observer(obs, role) if self._sampling else None
+                if role == "forward":
+                    slot.finite_log = self._forward_log() if grad else None
+                casts.append(slot)
+            call.casts = tuple(casts)
+        out = lowp_linear(x, w, b, call)
+        if self.cast_activations:
+            out = cast(out, self._activation_round(layer), None)
+        return out
+
     def _matmul(self, func, positions, args, kwargs):
         frame = self._frames[-1] if self._frames else _Frame("", False)
         if frame.fp32:
@@ -422,13 +468,17 @@ class Engine:
         idx = frame.calls[0]
         frame.calls[0] += 1
         layer = frame.name or "<root>"
+        if self.gemm_route is not None and func is F.linear and len(args) >= 2 and \
+                args[1].dim() == 2 and args[0].dim() >= 1:
+            return self._linear(layer, idx, args, kwargs)
+        lowp = self.policy.matmuls == "all"  # else only the linear layers take the GEMM formats
         args = list(args)
         for i, a in enumerate(args):
             if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
                 continue
             if a.dtype != self.compute_dtype:
                 a = a.to(self.compute_dtype)
-            if i in positions and (self.cast_forward or self._sampling):
+            if lowp and i in positions and (self.cast_forward or self._sampling):
                 slot = self._slot((layer, idx, i, "forward"), "forward")
                 slot.observer = self._observer(f"{layer}#{idx}.{i}", "forward") if self._sampling else None
                 slot.finite_log = self._forward_log() if torch.is_grad_enabled() else None  # not in evaluation
@@ -442,7 +492,7 @@ class Engine:
             return out
         fwd = self._activation_round(layer) if self.cast_activations else None
         bwd = None
-        if self.cast_backward or self._sampling:
+        if lowp and (self.cast_backward or self._sampling):
             slot = self._slot((layer, idx, "backward"), "backward")
             slot.observer = self._observer(f"{layer}#{idx}", "backward") if self._sampling else None
             bwd = slot if self.cast_backward else (lambda g, s=slot: (s.observer(g, g, s), g)[1])

@@ -14,6 +14,15 @@ Roles:
                    with one fp32 scale per block of 256)
   grad_accum       where gradients are summed across micro-batches before the update
   comm             what gradients travel in between processes
+  grad_weight      the format of the weight-gradient GEMM's inputs (None: forward's for the
+                   activations, backward's for the gradients, as for the other GEMMs; a format
+                   equal to `activations`: that GEMM runs in the compute dtype)
+
+`matmuls` says which matmuls take the forward / backward formats: "all" (every matmul the model
+calls, attention included) or "linear" (F.linear only, i.e. nn.Linear layers; the others run in
+the activations' format). Linear layers whose formats have GEMMs of their own (int8; FP8 on
+hardware that has FP8 GEMMs, or always with row-wise scaling) run their three GEMMs in
+train/gemm.py, natively where the hardware does it.
 """
 from __future__ import annotations
 
@@ -24,7 +33,9 @@ from dataclasses import dataclass
 from ..formats import MODES, get_format, normalize_name
 
 LOSS_SCALING = ("none", "static", "dynamic")
-FP8_RECIPES = ("none", "current", "delayed", "mx")
+FP8_RECIPES = ("none", "current", "delayed", "mx", "rowwise")
+MATMULS = ("all", "linear")
+ROWWISE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 UPDATE_MODES = ("nearest", "stochastic", "kahan")
 BLOCKWISE_STATE_FORMATS = ("int8_blockwise",)
 DEFAULT_KEEP_FP32 = ("*norm", "*norm?d", "*softmax", "*loss")
@@ -57,8 +68,11 @@ class Policy:
     keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
     # FP8-style scaling of the forward and backward casts: none, current (per tensor, from this
     # tensor's amax), delayed (per tensor, from an amax history), mx (per block of mx_block values
-    # along the last dimension, with a power-of-two E8M0 scale)
+    # along the last dimension, with a power-of-two E8M0 scale), rowwise (each GEMM operand per
+    # row along its reduction dimension: linear layers only; the scaling int8 formats take)
     fp8_recipe: str = "none"
+    matmuls: str = "all"
+    grad_weight: str | None = None
     amax_history_len: int = 16
     fp8_margin: int = 0
     mx_block: int = 32
@@ -75,6 +89,8 @@ class Policy:
             set_(role, _canonical(getattr(self, role), role))
         if self.master is not None:
             set_("master", _canonical(self.master, "master"))
+        if self.grad_weight is not None:
+            set_("grad_weight", _canonical(self.grad_weight, "grad_weight"))
         if self.optimizer_states not in BLOCKWISE_STATE_FORMATS:
             set_("optimizer_states", _canonical(self.optimizer_states, "optimizer_states"))
         for role in ("forward_rounding", "backward_rounding", "state_rounding"):
@@ -83,6 +99,8 @@ class Policy:
         _choice("update_rounding", self.update_rounding, UPDATE_MODES)
         _choice("loss_scaling", self.loss_scaling, LOSS_SCALING)
         _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        _choice("matmuls", self.matmuls, MATMULS)
+        self._check_gemm_formats()
         if isinstance(self.keep_fp32, str):
             set_("keep_fp32", (self.keep_fp32,))
         set_("keep_fp32", tuple(self.keep_fp32))
@@ -97,11 +115,30 @@ class Policy:
         if self.master is None and self.update_rounding != "nearest" and self.weights == "fp32":
             raise ValueError("stochastic or kahan updates need low-precision weights (weights='fp32' here)")
 
+    def _check_gemm_formats(self) -> None:
+        ints = [r for r in ("forward", "backward") if get_format(getattr(self, r)).kind == "int"]
+        if ints and (len(ints) < 2 or self.forward != "int8" or self.backward != "int8"):
+            raise ValueError("integer GEMMs are int8 in both the forward and the backward pass "
+                             f"(forward={self.forward!r}, backward={self.backward!r})")
+        if ints and self.fp8_recipe != "rowwise":
+            raise ValueError("int8 GEMMs take row-wise scales: fp8_recipe='rowwise'")
+        if self.fp8_recipe == "rowwise":
+            if self.matmuls != "linear":
+                raise ValueError("row-wise scaling is defined for the linear layers' GEMMs: matmuls='linear'")
+            bad = [r for r in ("forward", "backward") if getattr(self, r) not in ROWWISE_FORMATS]
+            if bad:
+                raise ValueError(f"row-wise scaling takes {', '.join(ROWWISE_FORMATS)}; "
+                                 f"{bad[0]}={getattr(self, bad[0])!r}")
+        if self.grad_weight is not None and self.grad_weight != self.activations:
+            raise ValueError(f"grad_weight is None (the GEMM formats) or the activations' format "
+                             f"{self.activations!r}, got {self.grad_weight!r}")
+
     # -----------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> Policy:
-        """A named policy: fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, fp8-hybrid-unscaled,
-        mxfp8, bf16-pure, bf16-pure-sr, bf16-pure-kahan, fp16-mixed-unscaled. Spelled as format
+        """A named policy: fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, fp8-hybrid-current,
+        fp8-rowwise, fp8-hybrid-unscaled, mxfp8, int8-mixed, int8-mixed-gw8, bf16-pure,
+        bf16-pure-sr, bf16-pure-kahan, fp16-mixed-unscaled, bf16-mixed-8bit-adam. Spelled as format
         names are (fewbits.formats.normalize_name: case, spaces, '_', '-' and '.' do not count)."""
         key = {normalize_name(n): n for n in PRESETS}.get(normalize_name(name.strip()))
         if key is None:
@@ -154,7 +191,14 @@ def _presets() -> dict[str, Policy]:
     p["fp16-mixed-unscaled"] = p["fp16-mixed"].replace(name="fp16-mixed-unscaled", loss_scaling="none")
     p["fp8-hybrid"] = Policy("fp8-hybrid", forward="fp8_e4m3", backward="fp8_e5m2", activations="bf16",
                              weights="bf16", master="fp32", fp8_recipe="delayed")
+    p["fp8-hybrid-current"] = p["fp8-hybrid"].replace(name="fp8-hybrid-current", fp8_recipe="current")
     p["fp8-hybrid-unscaled"] = p["fp8-hybrid"].replace(name="fp8-hybrid-unscaled", fp8_recipe="none")
+    p["fp8-rowwise"] = p["fp8-hybrid"].replace(name="fp8-rowwise", fp8_recipe="rowwise", matmuls="linear")
+    # SwitchBack / torchao-style int8 training: the linear layers' forward and grad-input GEMMs
+    # in int8 with row-wise scales, grad-weight in bf16 (-gw8: in int8 as well)
+    p["int8-mixed"] = p["bf16-mixed"].replace(name="int8-mixed", forward="int8", backward="int8",
+                                              fp8_recipe="rowwise", matmuls="linear", grad_weight="bf16")
+    p["int8-mixed-gw8"] = p["int8-mixed"].replace(name="int8-mixed-gw8", grad_weight=None)
     p["mxfp8"] = Policy("mxfp8", forward="fp8_e4m3", backward="fp8_e5m2", activations="bf16",
                         weights="bf16", master="fp32", fp8_recipe="mx")
     p["bf16-pure"] = Policy("bf16-pure", forward="bf16", backward="bf16", activations="bf16",
