@@ -474,7 +474,8 @@ def evaluate_targets(runners) -> list[dict]:
                 add(f"{r.name} step speed >= the fastest torchao float8 ({fastest.name})", f"{rel:.2f}x",
                     rel >= 1.0)
             else:
-                why = next((a.error for a in runners if a.kind == "torchao" and a.error), "no torchao configuration ran")
+                why = next((a.error for a in runners if a.kind == "torchao" and a.error),
+                           "no torchao configuration ran")
                 add(f"{r.name} step speed >= the fastest torchao float8", why, None)
         add(f"{r.name} final loss within {LOSS_TARGET:.0%} of {BASELINE}", f"{dloss:+.2%}",
             abs(dloss) <= LOSS_TARGET)
