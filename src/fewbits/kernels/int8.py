@@ -116,3 +116,70 @@ def _quantize_rows_int8_native(lib, x: torch.Tensor, per_row: bool, round_scale,
         scale = round_scale(amax / 127.0)
         recip = reciprocal(scale)
     return native.quantize_rows_int8(lib, x, recip, offset), scale
+
+
+def rescale(acc: torch.Tensor, da: torch.Tensor | None, db: torch.Tensor | None,
+            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(float32(acc) * da[:, None]) * db[None, :] (+ bias), each a float32 operation, rounded
+    once to out_dtype: the epilogue of an int8 GEMM whose operands are scaled per row (da, [M]
+    or a 0-dim tensor) and per column (db, [N] or 0-dim)."""
+    y = acc.to(torch.float32)
+    if da is not None:
+        y = y.mul_(da.reshape(-1, 1) if da.dim() else da)
+    if db is not None:
+        y = y.mul_(db.reshape(1, -1) if db.dim() else db)
+    if bias is not None:
+        y = y.add_(bias.to(torch.float32))
+    return y.to(out_dtype)
+
+
+def int8_gemm(qa: torch.Tensor, qb: torch.Tensor, da: torch.Tensor | None = None,
+              db: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """rescale(qa @ qb.T, da, db, bias): the int32 sums of int8 qa [M, K] and qb [N, K], then
+    the rescale, on the fastest kernel here: on a CPU with AMX, fewbits' own AMX GEMM with the
+    rescale fused into its store (csrc/int8mm.c), else torch._int_mm and `rescale`. The two are
+    bit for bit the same (the sums are exact, the rescale the same float32 operations).
+    backend: "auto", "amx" (ValueError where it cannot run), "torch"."""
+    if backend not in ("auto", "amx", "torch"):
+        raise ValueError(f"backend must be 'auto', 'amx' or 'torch', got {backend!r}")
+    if backend != "torch" and qa.device.type == "cpu":
+        lib = native.library()
+        per_vector = all(v is None or v.dim() <= 1 or v.numel() == max(v.shape) for v in (da, db))
+        if lib is not None and per_vector and out_dtype in (torch.float32, torch.bfloat16):
+            expand = lambda v, size: None if v is None else (  # noqa: E731
+                v.reshape(-1).float().expand(size).contiguous() if v.numel() == 1 else v.reshape(-1).float())
+            out = native.amx_int8_gemm(lib, qa, qb, expand(da, qa.shape[0]), expand(db, qb.shape[0]),
+                                       None if bias is None else bias.to(torch.float32), out_dtype)
+            if out is not None:
+                return out
+    if backend == "amx":
+        raise ValueError("the AMX int8 GEMM does not run here (no AMX, no native library, or not a CPU tensor)")
+    return rescale(int8_int8_matmul(qa.contiguous(), qb.contiguous()), da, db, bias, out_dtype)
+
+
+def int8_kernel(device: torch.device | str = "cpu") -> str:
+    """The kernel int8_gemm runs on `device`, in words."""
+    if torch.device(device).type == "cpu":
+        lib = native.library()
+        if lib is not None and native.amx_int8_ready(lib):
+            return "fewbits AMX int8 GEMM"
+        return "torch._int_mm (oneDNN)"
+    return "torch._int_mm"
+
+
+def quantize_lines(x2d: torch.Tensor, contiguous: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_int8(x2d, per_row=True, nonfinite="keep") for a GEMM operand that may be a
+    transposed view: on a CPU, bfloat16 input goes through one fused C pass per direction
+    (csrc/int8mm.c), rows or columns in memory alike; the codes come back contiguous, or with
+    contiguous=False possibly as a transposed view (what int8_gemm's second operand may be).
+    Bit for bit quantize_rows_int8's result."""
+    if backend not in ("auto", "native", "torch"):
+        raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
+    if backend != "torch" and x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and x2d.dim() == 2:
+        lib = native.library()
+        if lib is not None:
+            return native.q8_bf16(lib, x2d, contiguous)
+    if backend == "native":
+        raise ValueError("the fused int8 quantizer takes 2-D CPU bfloat16 tensors with the native library built")
+    return quantize_rows_int8(x2d, True, nonfinite="keep", backend="torch" if backend == "torch" else "auto")

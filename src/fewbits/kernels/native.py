@@ -82,7 +82,7 @@ try:
 except ImportError:  # not POSIX (Windows): no checked load there, the torch kernels serve
     fcntl = None
 
-SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c")
+SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c")
 HEADERS = ("vec16.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
@@ -539,6 +539,26 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_kquant_symmetric.restype = None
     lib.fb_kquant_refine.argtypes = [p, i64, i64, i32, p, i32, d, d, p, p, p, p, p, p, p, p]
     lib.fb_kquant_refine.restype = None
+    declare_int8mm(lib)
+
+
+def declare_int8mm(lib: ctypes.CDLL) -> None:
+    """The argument types of int8mm.c's functions (also for a build of it alone, as the tests make)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.fb_amx_int8_ready.argtypes = []
+    lib.fb_amx_int8_ready.restype = i32
+    lib.fb_amx_packed_bytes.argtypes = [i64, i64]
+    lib.fb_amx_packed_bytes.restype = i64
+    lib.fb_amx_pack_b.argtypes = [p, i64, i64, i64, p]
+    lib.fb_amx_pack_b.restype = None
+    lib.fb_amx_gemm_s8.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i64, p, i64, i32]
+    lib.fb_amx_gemm_s8.restype = i32
+    lib.fb_amx_pack_bt.argtypes = [p, i64, i64, i64, p]
+    lib.fb_amx_pack_bt.restype = None
+    lib.fb_q8_rows_bf16.argtypes = [p, i64, i64, i64, p, i64, p]
+    lib.fb_q8_rows_bf16.restype = None
+    lib.fb_q8_cols_bf16.argtypes = [p, i64, i64, i64, p, i64, i32, p, p]
+    lib.fb_q8_cols_bf16.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -673,6 +693,86 @@ def int8_rows_bf16(lib: ctypes.CDLL, q: torch.Tensor, r0: int, r1: int, out: tor
         out = out.reshape(-1)[:count].view(r1 - r0, k)
     lib.fb_int8_rows_bf16(q.data_ptr(), k, r0, r1, out.data_ptr())
     return out
+
+
+def amx_int8_ready(lib: ctypes.CDLL) -> bool:
+    """Whether int8mm.c's AMX GEMM runs here: the build has AMX and Linux granted the tile state."""
+    return bool(lib.fb_amx_int8_ready())
+
+
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2}
+
+
+def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torch.Tensor | None,
+                  db: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """(float32(qa @ qb.T) * da[:, None]) * db[None, :] (+ bias) in out_dtype (float32 / bfloat16),
+    or the int32 sums (out_dtype int32); qa [M, K], qb [N, K] int8 CPU tensors, the factors
+    float32 [M] / [N] or None. None when AMX is not there. Pads M to 32 and K to 64 with zeros."""
+    if out_dtype not in _OUT_KINDS:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or int32, got {out_dtype}")
+    if not amx_int8_ready(lib):
+        return None
+    for t, name in ((qa, "qa"), (qb, "qb")):
+        if t.dtype != torch.int8 or t.dim() != 2 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a 2-D CPU int8 tensor, got {t.dtype} {tuple(t.shape)}")
+    m, k = qa.shape
+    n = qb.shape[0]
+    if qb.shape[1] != k:
+        raise ValueError(f"qa {tuple(qa.shape)} and qb {tuple(qb.shape)} differ in their reduction length")
+    vecs = []
+    for v, size, name in ((da, m, "da"), (db, n, "db"), (bias, n, "bias")):
+        if v is not None:
+            v = v.reshape(-1)
+            if v.dtype != torch.float32 or v.numel() != size or v.device.type != "cpu":
+                raise ValueError(f"{name} must be {size} float32 values on the CPU")
+            v = v.contiguous()
+        vecs.append(v)
+    mp, kp = -(-max(m, 1) // 32) * 32, -(-max(k, 1) // 64) * 64
+    a = qa if (mp == m and kp == k and qa.stride(1) == 1) else \
+        torch.nn.functional.pad(qa, (0, kp - k, 0, mp - m))
+    packed = torch.empty(lib.fb_amx_packed_bytes(n, k), dtype=torch.int8)
+    if qb.stride(0) == 1 and n > 1 and k > 1:  # the transpose of a row-major [K, N]: packed from it
+        lib.fb_amx_pack_bt(qb.data_ptr(), k, n, qb.stride(1), packed.data_ptr())
+    else:
+        b = qb if qb.stride(1) == 1 else qb.contiguous()
+        lib.fb_amx_pack_b(b.data_ptr(), n, k, b.stride(0) if n > 1 else k, packed.data_ptr())
+    out = torch.empty(m, n, dtype=out_dtype)
+    ptr = lambda v: None if v is None else v.data_ptr()  # noqa: E731
+    rc = lib.fb_amx_gemm_s8(a.data_ptr(), mp, kp, a.stride(0), packed.data_ptr(), n, ptr(vecs[0]),
+                            ptr(vecs[1]), ptr(vecs[2]), m, n, out.data_ptr(), n, _OUT_KINDS[out_dtype])
+    if rc != 0:
+        return None
+    return out
+
+
+def q8_bf16(lib: ctypes.CDLL, x: torch.Tensor, contiguous: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and float32 scales of a bfloat16 matrix x [m, k] quantized along its rows
+    (kernels.int8.quantize_rows_int8's arithmetic, nonfinite="keep"). x may be a transposed
+    view (x.stride(0) == 1): its columns in memory are then the lines quantized. The codes come
+    back contiguous, or with contiguous=False possibly as the transpose of a contiguous [k, m]
+    (what the AMX GEMM packs directly)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"x must be a 2-D CPU bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    scale = torch.empty(m, dtype=torch.float32)
+    if x.stride(1) == 1 or m <= 1 or k <= 1:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        q = torch.empty(m, k, dtype=torch.int8)
+        lib.fb_q8_rows_bf16(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, q.data_ptr(), k, scale.data_ptr())
+        return q, scale
+    base = x.t()  # [k, m], rows contiguous in memory when x is a transposed view
+    if base.stride(1) != 1:
+        base = base.contiguous()
+    work = torch.empty(m, dtype=torch.float32)
+    if contiguous:  # q [m, k]: the transpose written out
+        q = torch.empty(m, k, dtype=torch.int8)
+        lib.fb_q8_cols_bf16(base.data_ptr(), k, m, base.stride(0), q.data_ptr(), k, 1, scale.data_ptr(),
+                            work.data_ptr())
+        return q, scale
+    qt = torch.empty(k, m, dtype=torch.int8)
+    lib.fb_q8_cols_bf16(base.data_ptr(), k, m, base.stride(0), qt.data_ptr(), m, 0, scale.data_ptr(),
+                        work.data_ptr())
+    return qt.t(), scale
 
 
 def lut4_supported(row_len: int, group: int) -> bool:

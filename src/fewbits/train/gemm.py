@@ -18,9 +18,9 @@ Formats and scaling (Policy.forward / backward / fp8_recipe / grad_weight):
 
 Every GEMM is `qmm(a, b)` = (qa * da) @ (qb * db)^T, a [M, R] and b [N, R] both quantized along
 R, with the dequantization factors da [M, 1] / [] and db [N, 1] / [].
-  native int8   torch._int_mm (oneDNN's AMX / VNNI kernels on a CPU, cuBLASLt on CUDA): exact
-                int32 sums; then y = (float32(acc) * da) * db (+ bias) rounded once to the
-                compute dtype.
+  native int8   fewbits' AMX GEMM (kernels/csrc/int8mm.c) on CPUs with AMX, torch._int_mm
+                elsewhere (oneDNN on other CPUs, cuBLASLt on CUDA): exact int32 sums; then
+                y = (float32(acc) * da) * db (+ bias) rounded once to the compute dtype.
   emulated int8 the same integer sums from a float32 GEMM where they are exact (R * 128^2 < 2^24)
                 and a float64 one elsewhere, then the same epilogue: bit for bit the native result.
   native fp8    torch._scaled_mm (FP8 tensor cores, compute capability 8.9+; CPU builds have a
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import IntFormat, get_format
-from ..kernels.int8 import int8_int8_matmul, quantize_rows_int8
+from ..kernels.int8 import int8_gemm, int8_kernel, quantize_lines, rescale
 from .fp8 import ScaledCast, float8_dtype, pow2_scales, to_float8
 
 GEMM_MODES = ("auto", "native", "emulated")
@@ -63,11 +63,13 @@ class Operand:
 
 
 def quantize_rows(t: torch.Tensor, fmt, margin: int = 0, mode: str = "nearest_even",
-                  generator: torch.Generator | None = None) -> Operand:
-    """t [rows, R] quantized along R (its dimension 1), one scale per row."""
+                  generator: torch.Generator | None = None, contiguous: bool = True) -> Operand:
+    """t [rows, R] quantized along R (its dimension 1), one scale per row. t may be a transposed
+    view; with contiguous=False the int8 codes may come back as one too (a GEMM's second
+    operand: the AMX kernel packs either layout)."""
     fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
-        q, scale = quantize_rows_int8(t, True, nonfinite="keep")
+        q, scale = quantize_lines(t, contiguous)
         return Operand(q, scale.unsqueeze(1), torch.isfinite(scale).all())
     amax = t.detach().abs().amax(dim=1, keepdim=True).float()
     s = pow2_scales(amax, fmt.max, margin)
@@ -85,20 +87,12 @@ def qmm(a: Operand, b: Operand, out_dtype: torch.dtype, native: bool,
     return _fp8_mm(a, b, out_dtype, native, bias)
 
 
-def _int8_sums(qa: torch.Tensor, qb: torch.Tensor, native: bool) -> torch.Tensor:
-    if native:
-        return int8_int8_matmul(qa.contiguous(), qb.contiguous())
-    work = torch.float32 if qa.shape[1] <= _EXACT_F32_ROWS else torch.float64
-    return qa.to(work) @ qb.to(work).t()  # integer values: exact
-
-
 def _int8_mm(a, b, out_dtype, native, bias):
-    acc = _int8_sums(a.q, b.q, native).to(torch.float32)
-    y = acc.mul_(a.d.reshape(-1, 1) if a.d.dim() else a.d)
-    y = y.mul_(b.d.reshape(1, -1) if b.d.dim() else b.d)
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+    if native:  # fewbits' AMX GEMM on CPUs with AMX, else torch._int_mm (kernels.int8.int8_gemm)
+        return int8_gemm(a.q, b.q, a.d, b.d, bias, out_dtype)
+    work = torch.float32 if a.q.shape[1] <= _EXACT_F32_ROWS else torch.float64
+    acc = a.q.to(work) @ b.q.to(work).t()  # integer values: exact
+    return rescale(acc, a.d, b.d, bias, out_dtype)
 
 
 def _fp8_mm(a, b, out_dtype, native, bias):
@@ -156,7 +150,7 @@ class GemmRoute:
 
     def describe(self) -> str:
         scaling = "row-wise" if self.rowwise else "per-tensor"
-        where = ("native: " + ("torch._int_mm" if self.kind == "int8" else "torch._scaled_mm")
+        where = ("native: " + (int8_kernel() if self.kind == "int8" else "torch._scaled_mm")
                  if self.native else f"emulated ({self.reason})")
         gw = "" if self.grad_weight_lowp else ", grad-weight in the compute dtype"
         return f"{self.kind} {scaling} GEMMs, {where}{gw}"
@@ -218,8 +212,9 @@ class LinearCall:
     modes: tuple[str, str] = ("nearest_even", "nearest_even")  # rounding of forward / backward operands
     generator: torch.Generator | None = None
 
-    def rows(self, t: torch.Tensor, fmt, log: list | None, backward: bool = False) -> Operand:
-        op = quantize_rows(t, fmt, self.route.margin, self.modes[backward], self.generator)
+    def rows(self, t: torch.Tensor, fmt, log: list | None, backward: bool = False, second: bool = False) -> Operand:
+        """t quantized along its rows; `second`: the GEMM's second operand (any layout)."""
+        op = quantize_rows(t, fmt, self.route.margin, self.modes[backward], self.generator, not second)
         if log is not None:
             log.append((self.label, op.finite))
         return op
@@ -232,7 +227,7 @@ class _LowpLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if route.rowwise:
             xa = call.rows(x2, route.forward_fmt, call.forward_log)
-            wa = call.rows(w, route.forward_fmt, call.forward_log)
+            wa = call.rows(w, route.forward_fmt, call.forward_log, second=True)
             saved = (x2, w)
         else:
             xa = Operand(*call.casts[0].quantize(x2))
@@ -257,11 +252,11 @@ class _LowpLinear(torch.autograd.Function):
             x2, w = ctx.saved_tensors
             if need_x:
                 dx = route.mm(call.rows(g2, route.backward_fmt, log, True),
-                              call.rows(w.t(), route.forward_fmt, log), dt)
+                              call.rows(w.t(), route.forward_fmt, log, second=True), dt)
             if need_w:
                 if route.grad_weight_lowp:
                     dw = route.mm(call.rows(g2.t(), route.backward_fmt, log, True),
-                                  call.rows(x2.t(), route.forward_fmt, log), dt)
+                                  call.rows(x2.t(), route.forward_fmt, log, second=True), dt)
                 else:
                     dw = g2.to(dt).t() @ x2.to(dt)
         else:
