@@ -550,9 +550,9 @@ def _train_table(results) -> str:
         return "—" if v is None else f"{v / 1e6:.1f}"
     rows = [[r["policy"], f"{r['final_loss']:.4f}", f"{r['step_time_s'] * 1e3:.1f}", mb(r["peak_memory_bytes"]),
              mb(r["state_bytes"]), r["skipped_steps"], f"{r['underflow_fraction']:.2%}",
-             f"{r['lost_update_fraction']:.2%}"] for r in results]
+             f"{r['lost_update_fraction']:.2%}", r.get("gemm_path", "")] for r in results]
     return render_table(["policy", "final loss", "step ms", "peak MB", "state MB", "skipped", "underflow",
-                         "lost updates"], rows, right=range(1, 8))
+                         "lost updates", "matmuls ran as"], rows, right=range(1, 8))
 
 
 def cmd_train(args, out) -> int:

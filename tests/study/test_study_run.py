@@ -170,3 +170,24 @@ def test_model_path_runs_memory_and_quant_on_it(tmp_path, capsys):
     assert quant["numbers"]["tiny_bert"]["quality_metric"] == "cosine"
     assert not any("Q4_1" in n for n in quant["notes"])  # the SmolLM2 caveat belongs to SmolLM2 only
     assert sorted(p.name for p in out.glob("*.png")) == ["memory_tiny_bert.png", "quant_tiny_bert.png"]
+
+
+def test_lm_step_speed_table_names_the_path_each_policy_took(tmp_path, monkeypatch):
+    """The training part's LM speed table: one row per policy, its GEMM path in words (int8-mixed
+    native here or through torch._int_mm; fp8-hybrid emulated on a CPU), speeds against bf16-mixed."""
+    from fewbits.study.tasks import TaskConfig
+
+    small = TaskConfig("lm", d_model=64, n_layers=1, n_heads=2, seq=32, batch_size=2)
+    monkeypatch.setattr("fewbits.study.tasks.TaskConfig", lambda *a, **k: small)
+    monkeypatch.setattr(study_run, "LM_SPEED_ROUNDS", 1)
+    ctx = study_run.StudyContext(out=tmp_path, quick=False, model=None, say=lambda *_: None)
+    out = PartOutput()
+    study_run._lm_speed_table(ctx, out)
+    assert not out.warnings, out.warnings
+    rows = {r["policy"]: r for r in out.numbers["lm_speed"]}
+    assert set(rows) == set(study_run.LM_SPEED_POLICIES)
+    assert rows["bf16-mixed"]["speed_vs_bf16"] == 1.0
+    assert "bfloat16 GEMMs (native dtype)" in rows["bf16-mixed"]["gemm_path"]
+    assert "int8 row-wise GEMMs, native" in rows["int8-mixed"]["gemm_path"]
+    assert "emulated" in rows["fp8-hybrid"]["gemm_path"]
+    assert all(r["step_time_s"] > 0 for r in rows.values())

@@ -54,7 +54,10 @@ SMOLLM2_SCHEMES = ("int8", "fp8_channel", "mxfp8", "int4", "nf4", "mxfp4", "nvfp
 SMOLLM2_EVAL_TOKENS = 2048
 QUANT_BUDGET_BITS = 4.5
 TRAIN_POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-mixed-unscaled", "fp8-hybrid", "fp8-hybrid-unscaled",
-                  "mxfp8", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan")
+                  "fp8-rowwise", "mxfp8", "int8-mixed", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan")
+# the step speed of the GPT LM of `fewbits train --task lm` (where the matmuls dominate) per policy
+LM_SPEED_POLICIES = ("bf16-mixed", "int8-mixed", "int8-mixed-gw8", "fp8-hybrid", "fp8-rowwise")
+LM_SPEED_ROUNDS = 3
 TRAIN_POLICIES_QUICK = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-mixed-unscaled", "bf16-pure")
 TRAIN_STEPS, TRAIN_STEPS_QUICK = 300, 120
 HISTOGRAM_POLICY = "fp16-mixed-unscaled"
@@ -595,6 +598,35 @@ def part_quant(ctx: StudyContext) -> PartOutput:
 # ---------------------------------------------------------------------------------------------
 # part 5: training
 # ---------------------------------------------------------------------------------------------
+def _lm_speed_table(ctx: StudyContext, out: PartOutput) -> None:
+    """Which policies run their GEMMs natively here, and how fast a step of the GPT LM is under each."""
+    from .tasks import TaskConfig, step_speed
+
+    cfg = TaskConfig("lm")
+    ctx.say(f"train: LM step speed under {', '.join(LM_SPEED_POLICIES)} ({LM_SPEED_ROUNDS} rounds)")
+    try:
+        rows = step_speed(LM_SPEED_POLICIES, cfg, rounds=LM_SPEED_ROUNDS)
+    except Exception as exc:  # noqa: BLE001 - the MLP runs still make the part
+        out.warnings.append(f"LM step speed failed: {type(exc).__name__}: {exc}")
+        return
+    base = next((r["step_time_s"] for r in rows if r["policy"] == "bf16-mixed"), None)
+    for r in rows:
+        r["speed_vs_bf16"] = base / r["step_time_s"] if base else None
+    out.table(f"Step speed of the GPT LM (d_model {cfg.d_model}, {cfg.n_layers} layers, sequence {cfg.seq}, "
+              f"batch {cfg.batch_size}) on this machine", [
+                  ("policy", "policy", "text"), ("step_time_s", "step ms", "ms"),
+                  ("speed_vs_bf16", "speed vs bf16-mixed", "x"), ("gemm_path", "matmuls ran as", "text")], rows,
+              f"Median of {LM_SPEED_ROUNDS} interleaved steps after one warm-up: one step of every policy per "
+              "round on the same batch. 'native' GEMMs run on the units built for the format (AMX int8 tiles "
+              "here, FP8 tensor cores on GPUs that have them); 'emulated' ones round to the format and multiply "
+              "in bf16. benchmarks/bench_train.py measures the same with 300 steps and the final loss.")
+    out.numbers["lm_speed"] = rows
+    by = {r["policy"]: r for r in rows}
+    if base and "int8-mixed" in by:
+        out.highlights.append(f"int8-mixed trains the GPT LM at {by['int8-mixed']['speed_vs_bf16']:.2f}x "
+                              f"bf16-mixed's step speed here ({by['int8-mixed']['gemm_path']}).")
+
+
 def part_train(ctx: StudyContext) -> PartOutput:
     from ..train import Telemetry
     from .charts import save_histogram_figure, save_loss_figure, save_train_numerics_figure
@@ -648,12 +680,15 @@ def part_train(ctx: StudyContext) -> PartOutput:
                        "gradients left of the smallest subnormal become zero. Loss scaling shifts them right.")
         except ValueError as exc:
             out.warnings.append(f"no histogram: {exc}")
+    if not ctx.quick:
+        _lm_speed_table(ctx, out)
     out.table(f"Policies on the digits MLP ({cfg.steps} steps)", [
         ("policy", "policy", "text"), ("final_loss", "final loss", "f4"), ("loss_change", "vs first", "pct"),
         ("step_time_s", "step ms", "ms"), ("state_bytes", "state", "bytes"),
         ("peak_memory_bytes", "peak growth", "bytes"), ("skipped_steps", "skipped", "int"),
         ("underflow_fraction", "underflow", "pct"), ("lost_update_fraction", "lost updates", "pct"),
-        ("saturated_fraction", "saturated", "pct"), ("final_loss_scale", "final loss scale", "num")], results,
+        ("saturated_fraction", "saturated", "pct"), ("final_loss_scale", "final loss scale", "num"),
+        ("gemm_path", "matmuls ran as", "text")], results,
         "step ms: median step time; formats this CPU lacks (fp16, fp8, MX) are emulated exactly through fb.round, "
         "so they run slower here than on hardware that has them. state: weights, master copies, gradients and "
         "optimizer states held. Lost updates under bf16-pure-sr and bf16-pure-kahan: single updates still do not "

@@ -209,7 +209,8 @@ def run_task(policy: Policy | str, cfg: TaskConfig, telemetry: Telemetry | None 
     policy, losses, final_loss (mean of the last 10% of steps), step_time_s (median),
     peak_memory_bytes (growth of the process's peak resident memory during the run on Linux;
     CUDA: peak allocated), state_bytes (training state held: weights, masters, grads, states),
-    skipped_steps, underflow_fraction, lost_update_fraction, telemetry summary."""
+    skipped_steps, underflow_fraction, lost_update_fraction, telemetry summary, gemm_path (how
+    the matmuls ran: natively or emulated, Engine.gemm_path)."""
     policy = Policy.preset(policy) if isinstance(policy, str) else policy
     (pydoc_text_bytes if cfg.task == "lm" else digits_data)()  # loaded (and cached) before measuring
     _trim_heap()
@@ -248,7 +249,31 @@ def run_task(policy: Policy | str, cfg: TaskConfig, telemetry: Telemetry | None 
         "final_loss_scale": engine.scaler.scale,
         "losses": losses,
         "policy_detail": policy.to_dict(),
+        "gemm_path": engine.gemm_path,
     }
     result["_engine"] = engine
     return result
 
+
+
+def step_speed(policies, cfg: TaskConfig, rounds: int = 3, warmup: int = 1) -> list[dict]:
+    """Median training-step time of `cfg.task` under each policy, measured interleaved: each round
+    runs one step of every policy on the same batch (each its own copy of the same model), after
+    `warmup` rounds. Returns [{policy, step_time_s, gemm_path, loss}] in the order given."""
+    runs = []
+    for p in policies:
+        pol = Policy.preset(p) if isinstance(p, str) else p
+        task = Task(cfg)
+        runs.append((pol, task, Engine(task.model, task.optimizer(), pol, seed=cfg.seed), []))
+    batches = Task(cfg)
+    loss = float("nan")
+    for r in range(warmup + rounds):
+        x, y = batches.batch()
+        for pol, task, engine, times in runs:
+            t0 = time.perf_counter()
+            loss = task.loss(task.model(x), y)
+            engine.train_step(loss)
+            if r >= warmup:
+                times.append(time.perf_counter() - t0)
+    return [{"policy": pol.name, "step_time_s": sorted(times)[len(times) // 2], "gemm_path": engine.gemm_path}
+            for pol, task, engine, times in runs]
