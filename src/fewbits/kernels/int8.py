@@ -65,6 +65,9 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
     if nonfinite not in ("raise", "keep"):
         raise ValueError(f"nonfinite must be 'raise' or 'keep', got {nonfinite!r}")
     x = x2d.to(torch.float32)
+    if x.numel() == 0:  # no values: zero scales (per row, or one per tensor), no codes
+        q = torch.zeros(x.shape, dtype=torch.uint8 if offset else torch.int8, device=x.device)
+        return q, torch.zeros(x.shape[0] if per_row else 1, dtype=torch.float32, device=x.device)
     if backend != "torch" and x.device.type == "cpu":
         lib = native.library()
         if lib is not None:
@@ -176,7 +179,8 @@ def quantize_lines(x2d: torch.Tensor, contiguous: bool = True, backend: str = "a
     Bit for bit quantize_rows_int8's result."""
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
-    if backend != "torch" and x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and x2d.dim() == 2:
+    if backend != "torch" and x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and x2d.dim() == 2 \
+            and x2d.numel() > 0:
         lib = native.library()
         if lib is not None:
             return native.q8_bf16(lib, x2d, contiguous)

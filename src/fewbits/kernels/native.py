@@ -719,6 +719,8 @@ def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torc
     n = qb.shape[0]
     if qb.shape[1] != k:
         raise ValueError(f"qa {tuple(qa.shape)} and qb {tuple(qb.shape)} differ in their reduction length")
+    if m == 0 or n == 0 or k == 0:
+        return None  # nothing to sum: the caller's torch path
     vecs = []
     for v, size, name in ((da, m, "da"), (db, n, "db"), (bias, n, "bias")):
         if v is not None:

@@ -154,12 +154,16 @@ class Engine:
                 raise RuntimeError(f"this {what} is already under a fewbits Engine (which replaced the model's "
                                    "parameters with working copies and holds the masters in the optimizer): "
                                    "keep using that engine, or build a new model and optimizer for a new one")
-        self.model, self.optimizer = model, optimizer
-        _OWNERS[model] = _OWNERS[optimizer] = weakref.ref(self)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None
                                                                        else torch.device("cpu"))
         pol = self.policy
+        # linear layers whose formats have GEMMs of their own (train/gemm.py): int8, FP8 on FP8
+        # hardware, row-wise FP8 anywhere; None: casts around GEMMs in the compute dtype. Decided
+        # (and refused, ValueError) before the model and optimizer are touched or claimed.
+        self.gemm_route = plan_route(pol, self.device, gemm)
+        self.model, self.optimizer = model, optimizer
+        _OWNERS[model] = _OWNERS[optimizer] = weakref.ref(self)
         self.compute_dtype = native_on(self.device, pol.activations) or torch.float32
         self.storage_dtype = native_on(self.device, pol.weights) or torch.float32
         compute_fmt = get_format(self.compute_dtype).name
@@ -169,9 +173,6 @@ class Engine:
         self.cast_activations = get_format(pol.activations).name != compute_fmt
         self.needs_mode = (self.cast_forward or self.cast_backward or self.cast_activations
                            or self.storage_dtype != self.compute_dtype)
-        # linear layers whose formats have GEMMs of their own (train/gemm.py): int8, FP8 on FP8
-        # hardware, row-wise FP8 anywhere; None: casts around GEMMs in the compute dtype
-        self.gemm_route = plan_route(pol, self.device, gemm)
         if telemetry is True:
             telemetry = Telemetry()
         self.telemetry: Telemetry | None = telemetry or None

@@ -167,7 +167,10 @@ class ScaledCast:
             scale, amax = self.scale_for(x)
         if log is not None:
             log.append((self.label, torch.isfinite(amax) if amax is not None else torch.isfinite(x).all()))
-        q = to_float8(x.float() * scale, self.fmt, self.mode, self.generator)
+        # plain rounding overflows as the format does (E5M2: to inf, which the step then sees),
+        # as __call__ rounds; the scaled recipes saturate
+        q = to_float8(x.float() * scale, self.fmt, self.mode, self.generator,
+                      saturate=self.recipe != "none" or saturates(self.fmt))
         if self.observer is not None:
             self.observer(x, (q.float() / scale).to(x.dtype), self)
         return q, 1.0 / scale
@@ -202,9 +205,12 @@ class ScaledCast:
                 and isinstance(state["history"], list) and all(real(v) for v in state["history"])
                 and real(state["last_scale"])):
             raise ValueError("an FP8 cast state is {'history': [numbers], 'last_scale': number}")
-        vals = [float(v) for v in state["history"]][-self.history_len:]
+        vals = [float(v) for v in state["history"]]
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("an FP8 cast's amax history holds finite amaxes >= 0")
+        if not (float(state["last_scale"]) > 0 and math.isfinite(float(state["last_scale"]))):
+            raise ValueError("an FP8 cast's last scale is a finite number > 0")
+        vals = vals[-self.history_len:]
         hist = torch.full((self.history_len,), -1.0, device=self._hist.device)
         if vals:
             hist[-len(vals):] = torch.tensor(vals, dtype=hist.dtype)
@@ -213,12 +219,13 @@ class ScaledCast:
 
 
 def to_float8(y: torch.Tensor, fmt, mode: str = "nearest_even",
-              generator: torch.Generator | None = None) -> torch.Tensor:
-    """y (already scaled) rounded to `fmt` with saturation, held in the format's float8 dtype.
-    Nearest-even is torch's own cast after a clamp to +-max (the same values as fb.round's
-    saturating rounding: tests/train/test_gemm.py); other modes round through fb.round."""
+              generator: torch.Generator | None = None, saturate: bool = True) -> torch.Tensor:
+    """y (already scaled) rounded to `fmt`, held in the format's float8 dtype: with saturation,
+    or (saturate=False) with the format's own overflow (E5M2: inf, as the emulated plain
+    rounding keeps it). Nearest-even is torch's own cast, after a clamp to +-max when saturating
+    (the same values as fb.round's: tests/train/test_gemm.py); other modes round through fb.round."""
     fmt = get_format(fmt)
     dtype = float8_dtype(fmt)
     if mode == "nearest_even":
-        return y.clamp(-fmt.max, fmt.max).to(dtype)  # NaN stays NaN
-    return round_to(y, fmt, mode, _OVERFLOW, generator).to(dtype)
+        return (y.clamp(-fmt.max, fmt.max) if saturate else y).to(dtype)  # NaN stays NaN
+    return round_to(y, fmt, mode, _OVERFLOW if saturate else None, generator).to(dtype)

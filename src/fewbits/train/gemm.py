@@ -107,8 +107,12 @@ def _fp8_mm(a, b, out_dtype, native, bias):
     return torch.nn.functional.linear(xa, xb, None if bias is None else bias.to(out_dtype))
 
 
-def _fp8_dims_ok(*dims: int) -> bool:
-    return all(d % 16 == 0 for d in dims)
+def _cuda_dims_ok(kind: str, k: int, n: int, m: int) -> bool:
+    """Whether cuBLASLt takes the GEMM: FP8 wants every dimension a multiple of 16; int8
+    (torch._int_mm) K and N multiples of 8 (M is padded by int8_int8_matmul)."""
+    if kind == "fp8":
+        return all(d % 16 == 0 and d > 0 for d in (k, n, m))
+    return k % 8 == 0 and n % 8 == 0 and k > 0 and n > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +161,9 @@ class GemmRoute:
 
     def mm(self, a: Operand, b: Operand, out_dtype, bias=None) -> torch.Tensor:
         native = self.native
-        if native and self.kind == "fp8" and a.q.device.type == "cuda" and \
-                not _fp8_dims_ok(a.q.shape[0], a.q.shape[1], b.q.shape[0]):
-            native = False  # cuBLASLt's FP8 GEMM wants every dimension a multiple of 16
+        if native and a.q.device.type == "cuda" and not _cuda_dims_ok(self.kind, a.q.shape[1], b.q.shape[0],
+                                                                      a.q.shape[0]):
+            native = False  # cuBLASLt's shape rules: then the emulation, the same arithmetic
         self.counts["native" if native else "emulated"] += 1
         return qmm(a, b, out_dtype, native, bias)
 
@@ -225,6 +229,13 @@ class _LowpLinear(torch.autograd.Function):
     def forward(ctx, x, w, b, call: LinearCall):
         route = call.route
         x2 = x.reshape(-1, x.shape[-1])
+        ctx.empty = x2.numel() == 0 or w.numel() == 0
+        if ctx.empty:  # no rows (an expert no token reached) or no features: sums of nothing
+            ctx.call, ctx.x_shape, ctx.has_bias = call, x.shape, b is not None
+            y = x2.new_zeros(x2.shape[0], w.shape[0], dtype=call.out_dtype)
+            if b is not None:
+                y = y + b.to(call.out_dtype)
+            return y.reshape(*x.shape[:-1], w.shape[0])
         if route.rowwise:
             xa = call.rows(x2, route.forward_fmt, call.forward_log)
             wa = call.rows(w, route.forward_fmt, call.forward_log, second=True)
@@ -245,6 +256,11 @@ class _LowpLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = gy.reshape(-1, gy.shape[-1])
         dt = call.out_dtype
+        if ctx.empty:
+            k = ctx.x_shape[-1]
+            return (gy.new_zeros(ctx.x_shape, dtype=dt) if need_x else None,
+                    gy.new_zeros(g2.shape[1], k, dtype=dt) if need_w else None,
+                    g2.to(dt).sum(0) if need_b and ctx.has_bias else None, None)
         log = call.backward_log
         dx = dw = db = None
         g_bias = g2  # what the bias gradient sums: the gradient as the GEMMs see it per tensor

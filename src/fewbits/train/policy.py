@@ -129,6 +129,9 @@ class Policy:
             if bad:
                 raise ValueError(f"row-wise scaling takes {', '.join(ROWWISE_FORMATS)}; "
                                  f"{bad[0]}={getattr(self, bad[0])!r}")
+        if self.grad_weight is not None and self.fp8_recipe != "rowwise":
+            raise ValueError("grad_weight is a choice of the linear layers' own GEMMs (fp8_recipe='rowwise', int8); "
+                             "per-tensor and MX recipes round the GEMM inputs once for all three GEMMs")
         if self.grad_weight is not None and self.grad_weight != self.activations:
             raise ValueError(f"grad_weight is None (the GEMM formats) or the activations' format "
                              f"{self.activations!r}, got {self.grad_weight!r}")
