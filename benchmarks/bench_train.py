@@ -57,7 +57,8 @@ Configurations (default sets; --all runs every one; --only NAMES picks by name o
                           README example (bf16 weights and AdamW states, no autocast). torchao's
                           documented usage compiles the model: --compile torchao adds those rows.
   --compile [WHICH]       also a torch.compile'd copy of each configuration (WHICH: all, or a comma
-                          list of kinds torch/autocast/fewbits/torchao, names or policies)
+                          list of kinds torch/autocast/fewbits/torchao, names or policies);
+                          --compiled-only: the compiled copies instead of the eager ones
 
 Targets, printed as met / NOT met from the ratios of this run:
   CPU (issue 16)  int8-mixed (and -gw8) >= 1.3x fewbits bf16-mixed's step speed, final loss within
@@ -68,8 +69,9 @@ Targets, printed as met / NOT met from the ratios of this run:
 
 A configuration that cannot run (torchao not installed, no FP8 GEMMs, out of memory) is reported
 with the reason and the others go on. --max-seconds stops a run before it outgrows its budget:
-interleaved, all configurations stop at the same step; sequential, the configurations not yet
-started are reported as not run. --json FILE keeps every sample, every loss and the environment
+interleaved, all configurations stop at the same step; sequential, a configuration that would
+end past the budget (guessed from the longest one so far of its kind) is not started and is
+reported as not run. --json FILE keeps every sample, every loss and the environment
 (rewritten after each configuration of a sequential run).
 """
 from __future__ import annotations
@@ -289,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--all", action="store_true", help="every configuration")
     ap.add_argument("--compile", nargs="?", const="all", default=None, metavar="WHICH",
                     help="also torch.compile'd copies (all, or kinds/names/policies, comma-separated)")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="with --compile: the compiled copies replace the eager configurations they match")
     ap.add_argument("--gemm", default="auto", choices=("auto", "native", "emulated"),
                     help="fewbits Engine(gemm=...): where the linear layers' low-precision GEMMs run")
     ap.add_argument("--schedule", choices=("interleaved", "sequential"), default=None,
@@ -352,7 +356,8 @@ def select_configs(args) -> list[Config]:
         words = {w.strip() for w in args.compile.split(",") if w.strip()}
         out = []
         for c in chosen:
-            out.append(c)
+            if not (args.compiled_only and _matches(c, words)):
+                out.append(c)
             if _matches(c, words):
                 out.append(dataclasses.replace(c, name=f"{c.name} (compiled)", compiled=True))
         chosen = out
@@ -412,11 +417,19 @@ def run_interleaved(runners, batches, warmup, max_seconds) -> int | None:
 def run_sequential(runners, batches, warmup, max_seconds, after_each=None) -> None:
     start = time.perf_counter()
     every = max(1, len(batches) // 10)
+    took = {False: [], True: []}  # seconds per configuration so far, eager / compiled
     for n, r in enumerate(runners):
-        if max_seconds is not None and n > 0 and time.perf_counter() - start > max_seconds:  # the first always runs
-            r.error = f"not run: the time budget ({max_seconds:.0f}s) was spent"
-            print(f"  {r.name}: {r.error}", flush=True)
-            continue
+        if max_seconds is not None and n > 0:  # the first always runs
+            # would this one end past the budget? Guess its time from the longest one so far of
+            # its kind (compiled or eager; a first compiled one: twice the longest eager one)
+            same = took[r.config.compiled]
+            guess = max(same) if same else 2 * max(took[False] + took[True])
+            elapsed = time.perf_counter() - start
+            if elapsed + guess > max_seconds:
+                r.error = (f"not run: the time budget ({max_seconds:.0f}s) would be spent "
+                           f"({elapsed:.0f}s gone, ~{guess:.0f}s more for this one)")
+                print(f"  {r.name}: {r.error}", flush=True)
+                continue
         t_cfg = time.perf_counter()
         try:
             r.build()
@@ -432,9 +445,10 @@ def run_sequential(runners, batches, warmup, max_seconds, after_each=None) -> No
             r.free()
         except Exception as exc:  # noqa: BLE001 - reported, the others go on
             r.fail(exc)
+        took[r.config.compiled].append(time.perf_counter() - t_cfg)
         if r.error is None:
             print(f"  {r.name}: median {r.median() * 1e3:.1f} ms/step, final loss {r.final_loss():.4f} "
-                  f"({time.perf_counter() - t_cfg:.0f}s)", flush=True)
+                  f"({took[r.config.compiled][-1]:.0f}s)", flush=True)
         if after_each is not None:
             after_each()
 
@@ -475,7 +489,7 @@ def evaluate_targets(runners) -> list[dict]:
                     rel >= 1.0)
             else:
                 why = next((a.error for a in runners if a.kind == "torchao" and a.error),
-                           "no torchao configuration ran")
+                           "no torchao float8 configuration in this run")
                 add(f"{r.name} step speed >= the fastest torchao float8", why, None)
         add(f"{r.name} final loss within {LOSS_TARGET:.0%} of {BASELINE}", f"{dloss:+.2%}",
             abs(dloss) <= LOSS_TARGET)

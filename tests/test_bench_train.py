@@ -63,6 +63,9 @@ def test_configuration_sets(bt):
     assert compiled[i + 1] == "torchao float8 tensorwise (compiled)"
     assert [n for n in compiled if n.endswith("(compiled)")] == ["torchao float8 tensorwise (compiled)",
                                                                  "torchao float8 rowwise (compiled)"]
+    only = names(["--device", "cuda", "--compile", "torchao", "--compiled-only"])
+    assert "torchao float8 rowwise (compiled)" in only and "torchao float8 rowwise" not in only
+    assert len(only) == len(gpu)
     # --only takes names and policies (a policy picks every configuration of it), in the order given
     assert names(["--only", "int8-mixed,fp32"]) == ["fewbits int8-mixed", "fp32"]
     assert names(["--only", "bf16-mixed"]) == ["fewbits bf16-mixed", "fewbits bf16-mixed + telemetry"]
@@ -129,6 +132,7 @@ def test_peer_that_cannot_run_and_time_budget(bt, quiet, tmp_path, capsys, monke
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["fewbits bf16-mixed"]["error"] is None  # the budget is checked before each configuration
     assert rows["torchao float8 tensorwise"]["error"].startswith("not run: the time budget")
+    assert rows["fewbits fp8-hybrid"]["error"].startswith("not run: the time budget")
     assert "not measured" in text
     # interleaved: every configuration stops at the same step once the budget is spent
     assert bt.main([*TINY, "--steps", "4", "--warmup", "1", "--max-seconds", "0",
