@@ -195,3 +195,32 @@ def test_amx_gemm_refuses_bad_operands():
         native.amx_int8_gemm(lib, qa, qa, None, None, None, torch.float16)
     with pytest.raises(ValueError, match="bfloat16"):
         native.q8_bf16(lib, torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("m,k", [(64, 512), (100, 130), (3, 7), (128, 16), (70, 64)])
+@pytest.mark.parametrize("layout", ["rows", "transposed view -> contiguous", "transposed view -> view"])
+def test_stochastic_rounding_is_the_torch_reference(lib, m, k, layout):
+    """With a seed the codes are floor(x / scale + u), u from the counter-based word of the
+    element's index in the logical operand, in every build and layout: the same bits."""
+    x = _bf16((m, k), m * 7 + k)
+    if m > 2 and k > 2:
+        x[1, 2] = float("nan")
+        x[-1] = 0.0
+    if layout != "rows":
+        x = x.t().contiguous().t()
+    seed = (12345 + m, 987654321 - k)
+    q, s = native.q8_bf16(lib, x, contiguous=layout != "transposed view -> view", seed=seed)
+    want_q, want_s = int8.quantize_rows_int8(x.float(), True, nonfinite="keep", backend="torch", seed=seed)
+    assert torch.equal(q, want_q) and _same_scales(s, want_s)
+    nearest, _ = _reference(x)
+    assert not torch.equal(q, nearest) or m * k < 8  # it does round differently
+    assert bool(((q.int() - nearest.int()).abs() <= 1).all())  # one step at most
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((1, 4096), 0.3).bfloat16()
+    x[0, 0] = 127 * 0.5  # the scale: 0.5; so the others sit at 0.3 / 0.5 = 0.6 of a step
+    q, s = int8.quantize_lines(x, seed=(1, 2))
+    assert float(s[0]) == 0.5
+    mean = float(q[0, 1:].float().mean())
+    assert abs(mean - float(x[0, 1]) / 0.5) < 0.03, mean  # E[q] = x / scale

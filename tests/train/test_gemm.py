@@ -657,9 +657,11 @@ def test_policy_validation():
     with pytest.raises(ValueError, match="gemm='bogus': choose one of auto, native, emulated"):
         Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "int8-mixed", gemm="bogus")
     for role in ("forward_rounding", "backward_rounding"):
-        model = small_net()
-        with pytest.raises(ValueError, match="stochastic"):
-            Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), base.replace(**{role: "stochastic"}))
+        model = small_net()  # int8 operands round to nearest or stochastically, nothing else
+        with pytest.raises(ValueError, match="toward_zero"):
+            Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), base.replace(**{role: "toward_zero"}))
+        other = small_net()
+        Engine(other, torch.optim.SGD(other.parameters(), lr=0.1), base.replace(**{role: "stochastic"}))
 
 
 def test_a_refused_engine_leaves_the_model_free():
@@ -888,3 +890,24 @@ def test_int8_rows_stay_independent_in_the_forward():
     mask = torch.ones(4, 32, dtype=torch.bool)
     mask[1, 4] = False
     assert torch.equal(dirty[mask], clean[mask])
+
+
+def test_stochastic_int8_gradients_native_equal_emulated():
+    """backward_rounding='stochastic' under int8-mixed-gw8: the gradient operands round with the
+    engine's cast generator's seeds, the same bits on the native and the emulated route, and
+    differently from nearest rounding."""
+    pol = Policy.preset("int8-mixed-gw8").replace(backward_rounding="stochastic")
+    x = torch.randn(64, 32, generator=gen(4))
+    grads = {}
+    for gemm in ("native", "emulated"):
+        model = small_net()
+        eng = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), pol, gemm=gemm, seed=3)
+        eng.backward(model(x).pow(2).sum())
+        grads[gemm] = {e.name: e.grad_buf.clone() for e in eng.entries}
+    model = small_net()
+    eng = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "int8-mixed-gw8", seed=3)
+    eng.backward(model(x).pow(2).sum())
+    nearest = {e.name: e.grad_buf.clone() for e in eng.entries}
+    for name, g in grads["native"].items():
+        assert torch.equal(g, grads["emulated"][name]), name
+    assert any(not torch.equal(g, nearest[n]) for n, g in grads["native"].items())

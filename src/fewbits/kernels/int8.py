@@ -9,6 +9,7 @@ import math
 import torch
 
 from . import native
+from .random import random_words
 
 
 def divide(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -41,7 +42,7 @@ def int8_int8_matmul(q_act: torch.Tensor, w_int8: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, saturate: bool = True,
                        offset: bool = False, backend: str = "auto",
-                       nonfinite: str = "raise") -> tuple[torch.Tensor, torch.Tensor]:
+                       nonfinite: str = "raise", seed: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric int8 quantization of activations, with the arithmetic of
     fewbits.quant.quantize(x, int8 absmax scheme): scale = amax / 127 (rounded to the scheme's
     scale format by `round_scale`; None keeps float32 scales), q = round_half_even(x * (1 /
@@ -53,6 +54,10 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
     "keep" quantizes such a row to zeros and gives it a non-finite scale (NaN or inf), so a GEMM
     with it yields non-finite values and nothing waits for the device (training's int8 GEMMs: the
     step's own inf/NaN check then skips the step).
+
+    seed (two ints): stochastic rounding instead, q = clamp(floor(x * (1 / scale) + u), -128, 127)
+    in float32 with u = (w >> 8) * 2^-24, w the counter-based random word (kernels.random) of
+    the element's index in x2d read row by row; unbiased: E[q] = x / scale inside the range.
 
     backend "auto" runs the fused C kernels of fewbits.kernels.native where they could be built
     and torch ops otherwise; "torch" and "native" force one (the two agree bit for bit).
@@ -68,7 +73,7 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
     if x.numel() == 0:  # no values: zero scales (per row, or one per tensor), no codes
         q = torch.zeros(x.shape, dtype=torch.uint8 if offset else torch.int8, device=x.device)
         return q, torch.zeros(x.shape[0] if per_row else 1, dtype=torch.float32, device=x.device)
-    if backend != "torch" and x.device.type == "cpu":
+    if backend != "torch" and x.device.type == "cpu" and seed is None:
         lib = native.library()
         if lib is not None:
             return _quantize_rows_int8_native(lib, x, per_row, round_scale, offset, nonfinite)
@@ -90,10 +95,16 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
             raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
     scale = round_scale(divide(amax, 127.0))
     recip = 1.0 / (scale if lo > 0 else torch.where(scale == 0, torch.ones_like(scale), scale))
-    t = torch.mul(x, recip.unsqueeze(1)).round_()
+    t = torch.mul(x, recip.unsqueeze(1))
+    if seed is not None:
+        idx = torch.arange(t.numel(), dtype=torch.int64, device=t.device).view(t.shape)
+        u = (random_words(idx, int(seed[0]), int(seed[1])) >> 8).to(torch.float32).mul_(2.0 ** -24)
+        t = t.add_(u).floor_()
+    else:
+        t = t.round_()
     if lo < 2.0 ** -100:  # a subnormal scale: 1 / scale may be inf, 0 * inf NaN
         t.nan_to_num_(0.0)
-    if saturate or lo < 2.0 ** -100:
+    if saturate or lo < 2.0 ** -100 or seed is not None:
         t.clamp_(-128, 127)
     q = t.to(torch.int8)  # float -> int8 and a bit flip are ~3x faster than float -> uint8
     if offset:
@@ -171,19 +182,21 @@ def int8_kernel(device: torch.device | str = "cpu") -> str:
     return "torch._int_mm"
 
 
-def quantize_lines(x2d: torch.Tensor, contiguous: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_lines(x2d: torch.Tensor, contiguous: bool = True, backend: str = "auto",
+                   seed: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_int8(x2d, per_row=True, nonfinite="keep") for a GEMM operand that may be a
     transposed view: on a CPU, bfloat16 input goes through one fused C pass per direction
     (csrc/int8mm.c), rows or columns in memory alike; the codes come back contiguous, or with
     contiguous=False possibly as a transposed view (what int8_gemm's second operand may be).
-    Bit for bit quantize_rows_int8's result."""
+    Bit for bit quantize_rows_int8's result (with `seed`: its stochastic rounding)."""
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
     if backend != "torch" and x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 and x2d.dim() == 2 \
             and x2d.numel() > 0:
         lib = native.library()
         if lib is not None:
-            return native.q8_bf16(lib, x2d, contiguous)
+            return native.q8_bf16(lib, x2d, contiguous, seed)
     if backend == "native":
         raise ValueError("the fused int8 quantizer takes 2-D CPU bfloat16 tensors with the native library built")
-    return quantize_rows_int8(x2d, True, nonfinite="keep", backend="torch" if backend == "torch" else "auto")
+    return quantize_rows_int8(x2d, True, nonfinite="keep", backend="torch" if backend == "torch" else "auto",
+                              seed=seed)

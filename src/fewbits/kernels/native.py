@@ -555,9 +555,9 @@ def declare_int8mm(lib: ctypes.CDLL) -> None:
     lib.fb_amx_gemm_s8.restype = i32
     lib.fb_amx_pack_bt.argtypes = [p, i64, i64, i64, p]
     lib.fb_amx_pack_bt.restype = None
-    lib.fb_q8_rows_bf16.argtypes = [p, i64, i64, i64, p, i64, p]
+    lib.fb_q8_rows_bf16.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.fb_q8_rows_bf16.restype = None
-    lib.fb_q8_cols_bf16.argtypes = [p, i64, i64, i64, p, i64, i32, p, p]
+    lib.fb_q8_cols_bf16.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, p]
     lib.fb_q8_cols_bf16.restype = None
 
 
@@ -747,20 +747,25 @@ def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torc
     return out
 
 
-def q8_bf16(lib: ctypes.CDLL, x: torch.Tensor, contiguous: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_bf16(lib: ctypes.CDLL, x: torch.Tensor, contiguous: bool = True,
+            seed: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and float32 scales of a bfloat16 matrix x [m, k] quantized along its rows
-    (kernels.int8.quantize_rows_int8's arithmetic, nonfinite="keep"). x may be a transposed
-    view (x.stride(0) == 1): its columns in memory are then the lines quantized. The codes come
-    back contiguous, or with contiguous=False possibly as the transpose of a contiguous [k, m]
-    (what the AMX GEMM packs directly)."""
+    (kernels.int8.quantize_rows_int8's arithmetic, nonfinite="keep"; with `seed`, stochastic
+    rounding as kernels.int8.stochastic_codes defines it). x may be a transposed view
+    (x.stride(0) == 1): its columns in memory are then the lines quantized. The codes come back
+    contiguous, or with contiguous=False possibly as the transpose of a contiguous [k, m] (what
+    the AMX GEMM packs directly)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D CPU bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
     scale = torch.empty(m, dtype=torch.float32)
+    sd = None if seed is None else torch.tensor([int(seed[0]) & 0xFFFFFFFF, int(seed[1]) & 0xFFFFFFFF],
+                                                dtype=torch.int64).to(torch.int32)
+    sp = None if sd is None else sd.data_ptr()
     if x.stride(1) == 1 or m <= 1 or k <= 1:
         x = x if x.stride(1) == 1 else x.contiguous()
         q = torch.empty(m, k, dtype=torch.int8)
-        lib.fb_q8_rows_bf16(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, q.data_ptr(), k, scale.data_ptr())
+        lib.fb_q8_rows_bf16(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, q.data_ptr(), k, scale.data_ptr(), sp)
         return q, scale
     base = x.t()  # [k, m], rows contiguous in memory when x is a transposed view
     if base.stride(1) != 1:
@@ -769,11 +774,11 @@ def q8_bf16(lib: ctypes.CDLL, x: torch.Tensor, contiguous: bool = True) -> tuple
     if contiguous:  # q [m, k]: the transpose written out
         q = torch.empty(m, k, dtype=torch.int8)
         lib.fb_q8_cols_bf16(base.data_ptr(), k, m, base.stride(0), q.data_ptr(), k, 1, scale.data_ptr(),
-                            work.data_ptr())
+                            work.data_ptr(), sp)
         return q, scale
     qt = torch.empty(k, m, dtype=torch.int8)
     lib.fb_q8_cols_bf16(base.data_ptr(), k, m, base.stride(0), qt.data_ptr(), m, 0, scale.data_ptr(),
-                        work.data_ptr())
+                        work.data_ptr(), sp)
     return qt.t(), scale
 
 

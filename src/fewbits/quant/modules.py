@@ -19,6 +19,11 @@ int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: t
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
 w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
                only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
+w8a8_fp8       E4M3 weights per channel + dynamic E4M3 activations per token (w8a8_fp8): the codes
+               as quantize() makes them, multiplied by torch._scaled_mm with the two float32
+               scale vectors (float32 sums, one rounding): FP8 tensor cores on CUDA compute
+               capability 8.9+, where auto picks it; on a CPU only when asked for (torch's
+               CPU _scaled_mm is a slow reference loop; auto picks dequant there).
 bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
 dequant        everything else (nf4, int4, q4_0, q4_1, fp8, mx*, nvfp4, int2/3, fp16, ...): the
                codes are decoded and scaled in float32 (exactly QuantizedTensor.dequantize()) a
@@ -74,7 +79,7 @@ from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
-KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "bf16", "dequant", "dequant_fp32")
+KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 _ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
 
@@ -302,6 +307,22 @@ def _w8a8_activations_fast(a: QuantScheme) -> bool:
             and (a.granularity == "tensor" or (a.granularity == "channel" and a.axis in (0, -2))))
 
 
+def _fp8_w8a8(s: QuantScheme) -> bool:
+    """E4M3 weights per channel or tensor and E4M3 activations per token or tensor, absmax
+    float32 scales, nearest-even: what torch._scaled_mm multiplies as quantize() made it."""
+    e4m3 = get_format("fp8_e4m3")
+    a = s.activations
+    plain = lambda t: (t.format == e4m3 and t.symmetric and t.scale_format == "fp32"  # noqa: E731
+                       and t.scale_method == "absmax" and t.mode == "nearest_even" and not t.double_quant)
+    return (a is not None and plain(s) and _per_row_or_tensor(s) and plain(a) and a.activations is None
+            and (a.granularity == "tensor" or (a.granularity == "channel" and a.axis in (0, -2))))
+
+
+def _fp8_gemm_hardware(device: torch.device) -> bool:
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def _int8_weight(s: QuantScheme) -> bool:
     return _is_int(s.format, 8, True) and s.symmetric and _per_row_or_tensor(s)
 
@@ -361,6 +382,8 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
             if (dev.type == "cuda" and _int8_weight(s) and _w8a8_activations_fast(s.activations)
                     and n % 8 == 0 and k % 8 == 0):
                 out.append("w8a8_int_mm")
+            if _fp8_w8a8(s) and _fp8_gemm_hardware(dev) and n % 16 == 0 and k % 16 == 0:
+                out.append("w8a8_fp8")
         elif _is_bf16_cast(s):
             out.append("bf16")
         return out + ["dequant"]
@@ -372,6 +395,8 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
             if cpu_int8_gemm_exact("w8a8_int_mm"):
                 out.append("w8a8_int_mm")
         out.append("dequant")
+        if _fp8_w8a8(s) and hasattr(torch, "_scaled_mm"):
+            out.append("w8a8_fp8")  # the CPU's reference _scaled_mm: exact, slow, only when asked for
         return out
     if _lut4_first(s, (n, k)):
         out.append("dequant")  # fewbits' 4-bit C kernels: faster than tinygemm at every batch, exact
@@ -670,6 +695,10 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         w = qt.codes.view(torch.int8).view(self.out_features, self.in_features)
         return KernelQuantizedTensor(qt, {"weight": w, "weight_scales": self._weight_scales(qt)})
 
+    def _build_w8a8_fp8(self, qt: QuantizedTensor) -> QuantizedTensor:
+        w = qt.codes.view(torch.float8_e4m3fn).view(self.out_features, self.in_features)  # OCP E4M3 bits
+        return KernelQuantizedTensor(qt, {"weight": w, "weight_scales": self._weight_scales(qt).reshape(1, -1)})
+
     def _build_w8a8_onednn(self, qt: QuantizedTensor) -> QuantizedTensor:
         n, k = self.out_features, self.in_features
         prepacked = ops.onednn_prepack_int8(qt.codes.view(torch.int8).view(n, k))
@@ -811,6 +840,20 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         acc = ops.int8_int8_matmul(q, kt["weight"])
         with ops.one_thread_if_small(acc.numel()):
             return _rescaled(acc.to(torch.float32).mul_(kt["weight_scales"]), sx.unsqueeze(1), bias, dtype)
+
+    def _forward_w8a8_fp8(self, x2d, bias, dtype):
+        a = self.scheme.activations
+        qx = quantize(x2d, a)  # the E4M3 codes and float32 scales quantize() defines
+        m = x2d.shape[0]
+        xq = qx.codes.view(torch.float8_e4m3fn).view(m, self.in_features)
+        sx = qx.scale_values().reshape(-1, 1).float()
+        if sx.shape[0] != m:  # a per-tensor activation scale, one per row for _scaled_mm
+            sx = sx.reshape(1, 1).expand(m, 1).contiguous()
+        kt = self._qweight.kernel_tensors
+        # cuBLASLt's row-wise FP8 GEMM gives bfloat16; the CPU's reference float32 as well
+        out = torch.float32 if x2d.device.type == "cpu" else torch.bfloat16
+        y = torch._scaled_mm(xq, kt["weight"].t(), scale_a=sx, scale_b=kt["weight_scales"], out_dtype=out)
+        return _with_bias(y, bias, dtype)
 
     def _new_lut4_weight(self, qt: QuantizedTensor, dec: _RowDecoder):
         """(the weight prepared for fewbits' 4-bit C kernels, the bytes it holds of its own: the

@@ -447,6 +447,7 @@ def _format_from_spec(spec) -> Format:
 def _presets() -> dict[str, QuantScheme]:
     S = QuantScheme
     per_token_int8 = S("int8", "channel", axis=0, name="int8_per_token")
+    per_token_fp8 = S("fp8_e4m3", "channel", axis=0, name="fp8_per_token")
     p = [
         S("int8", "channel", name="int8"),
         S("int8", "tensor", name="int8_tensor"),
@@ -492,6 +493,9 @@ def _presets() -> dict[str, QuantScheme]:
         S("fp4_e2m1", "nvfp4", name="nvfp4"),
         S("fp4_e2m1", "group", group_size=32, name="fp4"),
         S("int8", "channel", activations=per_token_int8, name="w8a8"),
+        # FP8 weights per channel and FP8 activations per token, dynamic: FP8 tensor cores
+        # (torch._scaled_mm) on GPUs that have them
+        S("fp8_e4m3", "channel", activations=per_token_fp8, name="w8a8_fp8"),
         S("bf16", "tensor", scale_format="none", name="bf16"),
         S("fp16", "tensor", scale_format="none", name="fp16"),
     ]

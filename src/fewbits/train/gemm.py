@@ -41,6 +41,7 @@ import torch
 
 from ..formats import IntFormat, get_format
 from ..kernels.int8 import int8_gemm, int8_kernel, quantize_lines, rescale
+from ..kernels.random import draw_seed
 from .fp8 import ScaledCast, float8_dtype, pow2_scales, to_float8
 
 GEMM_MODES = ("auto", "native", "emulated")
@@ -69,7 +70,8 @@ def quantize_rows(t: torch.Tensor, fmt, margin: int = 0, mode: str = "nearest_ev
     operand: the AMX kernel packs either layout)."""
     fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
-        q, scale = quantize_lines(t, contiguous)
+        seed = draw_seed(generator) if mode == "stochastic" else None
+        q, scale = quantize_lines(t, contiguous, seed=seed)
         return Operand(q, scale.unsqueeze(1), torch.isfinite(scale).all())
     amax = t.detach().abs().amax(dim=1, keepdim=True).float()
     s = pow2_scales(amax, fmt.max, margin)
@@ -183,8 +185,9 @@ def plan_route(policy, device: torch.device, mode: str = "auto") -> GemmRoute | 
     else:
         return None
     rowwise = policy.fp8_recipe == "rowwise"
-    if kind == "int8" and "stochastic" in (policy.forward_rounding, policy.backward_rounding):
-        raise ValueError("int8 GEMM operands round to nearest (stochastic rounding is for the float formats)")
+    bad = [m for m in (policy.forward_rounding, policy.backward_rounding) if m not in ("nearest_even", "stochastic")]
+    if kind == "int8" and bad:
+        raise ValueError(f"int8 GEMM operands round to nearest or stochastically, not {bad[0]!r}")
     reason = native_support(kind, device)
     if mode == "native" and reason is not None and not (kind == "fp8" and hasattr(torch, "_scaled_mm")
                                                           and torch.device(device).type == "cpu"):

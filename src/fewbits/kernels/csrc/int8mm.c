@@ -108,13 +108,21 @@ static void configure_tiles(void) {
 }
 
 /* the sums of one 32 x 32 block in tiles 0-3 (stored by store_tiles) */
-static void block(const int8_t *a, int64_t lda, const int8_t *bp0, const int8_t *bp1, int64_t kb_n) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+static void block(const int8_t *a, int64_t lda, const int8_t *bp0, const int8_t *bp1, int64_t kb0, int64_t kb1,
+                  int32_t part[4][16][16]) {
+    if (part) { /* the sums of the reduction blocks before kb0 */
+        _tile_loadd(0, part[0], 64);
+        _tile_loadd(1, part[1], 64);
+        _tile_loadd(2, part[2], 64);
+        _tile_loadd(3, part[3], 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     const int8_t *a1 = a + 16 * lda;
-    for (int64_t kb = 0; kb < kb_n; kb++) {
+    for (int64_t kb = kb0; kb < kb1; kb++) {
         _tile_loadd(4, a + kb * 64, lda);
         _tile_loadd(6, bp0 + kb * 1024, 64);
         _tile_loadd(5, a1 + kb * 64, lda);
@@ -188,28 +196,38 @@ int fb_amx_gemm_s8(const int8_t *a, int64_t m, int64_t kp, int64_t lda, const in
     if (!fb_amx_int8_ready() || m % 32 || kp % 64)
         return -1;
     const int64_t kb_n = kp / 64, nblocks = (n + 31) / 32, mblocks = m / 32;
-    /* B panels of up to 8 blocks (256 columns) stay in L2 while every row block passes over them */
-    const int64_t NGROUP = 8;
+    /* B panels of up to 8 blocks (256 columns) stay in L2 while every row block passes over them;
+     * the reduction runs in chunks of 512 so that a row block's chunk of A (16 KB) stays in L1
+     * across the 8 column blocks, their partial sums parked in `part` between chunks */
+    enum { NGROUP = 8, KCHUNK = 8 };
 #pragma omp parallel
     {
         configure_tiles();
         /* two buffers: the rescale of one block runs while the tile unit sums the next */
         int32_t acc[2][4][16][16] __attribute__((aligned(64)));
+        int32_t part[NGROUP][4][16][16] __attribute__((aligned(64)));
         int64_t prev_i = -1, prev_j = 0;
         int cur = 0;
         for (int64_t g0 = 0; g0 < nblocks; g0 += NGROUP) {
             const int64_t g1 = g0 + NGROUP < nblocks ? g0 + NGROUP : nblocks;
 #pragma omp for schedule(static) nowait
             for (int64_t mb = 0; mb < mblocks; mb++) {
-                for (int64_t nb = g0; nb < g1; nb++) {
-                    const int8_t *bp0 = bp + (2 * nb) * kb_n * 1024;
-                    block(a + mb * 32 * lda, lda, bp0, bp0 + kb_n * 1024, kb_n);
-                    if (prev_i >= 0)
-                        store(acc[cur ^ 1], prev_i, prev_j, m_out, n_out, da, db, bias, out, ldo, kind);
-                    store_tiles(acc[cur]);
-                    prev_i = mb * 32;
-                    prev_j = nb * 32;
-                    cur ^= 1;
+                for (int64_t k0 = 0; k0 < kb_n; k0 += KCHUNK) {
+                    const int64_t k1 = k0 + KCHUNK < kb_n ? k0 + KCHUNK : kb_n;
+                    for (int64_t nb = g0; nb < g1; nb++) {
+                        const int8_t *bp0 = bp + (2 * nb) * kb_n * 1024;
+                        block(a + mb * 32 * lda, lda, bp0, bp0 + kb_n * 1024, k0, k1, k0 ? part[nb - g0] : NULL);
+                        if (k1 < kb_n) {
+                            store_tiles(part[nb - g0]);
+                            continue;
+                        }
+                        if (prev_i >= 0)
+                            store(acc[cur ^ 1], prev_i, prev_j, m_out, n_out, da, db, bias, out, ldo, kind);
+                        store_tiles(acc[cur]);
+                        prev_i = mb * 32;
+                        prev_j = nb * 32;
+                        cur ^= 1;
+                    }
                 }
             }
         }
@@ -259,6 +277,33 @@ static inline int8_t q8(float v) {
     return (int8_t)(int32_t)nearbyintf(v);
 }
 
+/* Stochastic rounding (seed != NULL): q = clamp(floor(v + u), -128, 127) in float32, NaN -> 0, with
+ * u = (w >> 8) * 2^-24 from the counter-based word w of the element's index in the logical
+ * [lines, length] operand (fewbits.kernels.random: w = mix(mix(lo32(i) ^ s0) ^ s1 ^ hi32(i))). */
+static inline uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x5BD1E995u;
+    return h ^ (h >> 16);
+}
+
+static inline uint32_t word_of(const uint32_t *seed, uint64_t i) {
+    return mix32(mix32((uint32_t)i ^ seed[0]) ^ seed[1] ^ (uint32_t)(i >> 32));
+}
+
+static inline int8_t q8_sr(float v, uint32_t w) {
+    if (v != v)
+        return 0;
+    float t = floorf(v + (float)(w >> 8) * 0x1p-24f);
+    t = t < -128.0f ? -128.0f : (t > 127.0f ? 127.0f : t);
+    return (int8_t)(int32_t)t;
+}
+
+static inline int8_t q8_any(float v, const uint32_t *seed, uint64_t i) {
+    return seed ? q8_sr(v, word_of(seed, i)) : q8(v);
+}
+
 #ifdef FB_V512
 /* 16 bfloat16 -> float32 times r, rounded, saturated, NaN -> 0: 16 int8 */
 static inline __m128i q8x16(const uint16_t *p, __m512 r) {
@@ -267,6 +312,29 @@ static inline __m128i q8x16(const uint16_t *p, __m512 r) {
     v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
     v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
     return _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+static inline __m512i mix32x16(__m512i h) {
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x7FEB352D));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x5BD1E995));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+}
+
+/* q8x16 with stochastic rounding: the 16 elements' indices are base + lane * stride (< 2^32) */
+static inline __m128i q8x16_sr(const uint16_t *p, __m512 r, const uint32_t *seed, uint32_t base, uint32_t stride) {
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    v = _mm512_mul_ps(v, r);
+    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)base), _mm512_mullo_epi32(lane, _mm512_set1_epi32((int32_t)stride)));
+    __m512i w = mix32x16(_mm512_xor_si512(idx, _mm512_set1_epi32((int32_t)seed[0])));
+    w = mix32x16(_mm512_xor_si512(w, _mm512_set1_epi32((int32_t)seed[1])));
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 8)), _mm512_set1_ps(0x1p-24f));
+    v = _mm512_roundscale_ps(_mm512_add_ps(v, u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
 }
 #endif
 
@@ -325,7 +393,9 @@ static void scale_of(uint32_t amax_bits, float *scale, float *recip) {
 }
 
 /* rows: q[i * ldq + j], scale[i] */
-void fb_q8_rows_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t *q, int64_t ldq, float *scale) {
+void fb_q8_rows_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t *q, int64_t ldq, float *scale,
+                     const uint32_t *seed) {
+    const int vec_sr = (uint64_t)m * (uint64_t)k < (1ull << 32); /* 32-bit lane indices */
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *r = x + i * ld;
@@ -352,11 +422,16 @@ void fb_q8_rows_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t
         j = 0;
 #ifdef FB_V512
         const __m512 vr = _mm512_set1_ps(rc);
-        for (; j + 16 <= k; j += 16)
-            _mm_storeu_si128((__m128i *)(o + j), q8x16(r + j, vr));
+        if (!seed) {
+            for (; j + 16 <= k; j += 16)
+                _mm_storeu_si128((__m128i *)(o + j), q8x16(r + j, vr));
+        } else if (vec_sr) {
+            for (; j + 16 <= k; j += 16)
+                _mm_storeu_si128((__m128i *)(o + j), q8x16_sr(r + j, vr, seed, (uint32_t)(i * k + j), 1));
+        }
 #endif
         for (; j < k; j++)
-            o[j] = q8(bf16_to_f32(r[j]) * rc);
+            o[j] = q8_any(bf16_to_f32(r[j]) * rc, seed, (uint64_t)(i * k + j));
     }
 }
 
@@ -364,7 +439,9 @@ void fb_q8_rows_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t
  * q[j * ldq + i] (transposed != 0: the [k, m] transpose, rows of it contiguous).
  * work: k floats of scratch. */
 void fb_q8_cols_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t *q, int64_t ldq,
-                     int32_t transposed, float *scale, float *work) {
+                     int32_t transposed, float *scale, float *work, const uint32_t *seed) {
+    /* the operand's lines are x's columns: element (i, j) of x is (j, i) of it, index j * m + i */
+    const int vec_sr = (uint64_t)m * (uint64_t)k < (1ull << 32);
     /* pass 1: column amaxes, each thread its own range of columns */
 #pragma omp parallel for schedule(static)
     for (int64_t j0 = 0; j0 < k; j0 += 256) {
@@ -397,17 +474,23 @@ void fb_q8_cols_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t
             int8_t *o = q + i * ldq;
             int64_t j = 0;
 #ifdef FB_V512
-            for (; j + 16 <= k; j += 16)
-                _mm_storeu_si128((__m128i *)(o + j), q8x16(r + j, _mm512_loadu_ps(work + j)));
+            if (!seed) {
+                for (; j + 16 <= k; j += 16)
+                    _mm_storeu_si128((__m128i *)(o + j), q8x16(r + j, _mm512_loadu_ps(work + j)));
+            } else if (vec_sr) {
+                for (; j + 16 <= k; j += 16)
+                    _mm_storeu_si128((__m128i *)(o + j), q8x16_sr(r + j, _mm512_loadu_ps(work + j), seed,
+                                                                  (uint32_t)(j * m + i), (uint32_t)m));
+            }
 #endif
             for (; j < k; j++)
-                o[j] = q8(bf16_to_f32(r[j]) * work[j]);
+                o[j] = q8_any(bf16_to_f32(r[j]) * work[j], seed, (uint64_t)(j * m + i));
         }
         return;
     }
     /* transposed: blocks of 16 rows x 16 columns through a 16 x 16 byte transpose in registers */
 #ifdef FB_V512
-    if (m % 64 == 0 && k % 16 == 0) {
+    if (m % 64 == 0 && k % 16 == 0 && (!seed || vec_sr)) {
         /* 64 rows at a time, so that each column's codes go out as a whole 64-byte line */
         const int *perm = transpose_order();
 #pragma omp parallel for schedule(static)
@@ -417,8 +500,11 @@ void fb_q8_cols_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t
                 const __m512 vr = _mm512_loadu_ps(work + j0);
                 for (int sub = 0; sub < 4; sub++) {
                     __m128i r[16];
-                    for (int t = 0; t < 16; t++)
-                        r[t] = q8x16(x + (i0 + 16 * sub + t) * ld + j0, vr);
+                    for (int t = 0; t < 16; t++) {
+                        const int64_t i = i0 + 16 * sub + t;
+                        r[t] = seed ? q8x16_sr(x + i * ld + j0, vr, seed, (uint32_t)(j0 * m + i), (uint32_t)m)
+                                    : q8x16(x + i * ld + j0, vr);
+                    }
                     transpose16(r);
                     for (int t = 0; t < 16; t++)
                         _mm_store_si128((__m128i *)(buf[perm[t]] + 16 * sub), r[t]);
@@ -441,13 +527,13 @@ void fb_q8_cols_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ld, int8_t
                 const uint16_t *r = x + i * ld + j0;
                 int8_t v[16];
 #ifdef FB_V512
-                if (w == 16) {
+                if (w == 16 && !seed) {
                     _mm_storeu_si128((__m128i *)v, q8x16(r, _mm512_loadu_ps(work + j0)));
                 } else
 #endif
                 {
                     for (int64_t c = 0; c < w; c++)
-                        v[c] = q8(bf16_to_f32(r[c]) * work[j0 + c]);
+                        v[c] = q8_any(bf16_to_f32(r[c]) * work[j0 + c], seed, (uint64_t)((j0 + c) * m + i));
                 }
                 for (int64_t c = 0; c < w; c++)
                     buf[c][i - i0] = v[c];
