@@ -259,7 +259,7 @@ def run_task(policy: Policy | str, cfg: TaskConfig, telemetry: Telemetry | None 
 def step_speed(policies, cfg: TaskConfig, rounds: int = 3, warmup: int = 1) -> list[dict]:
     """Median training-step time of `cfg.task` under each policy, measured interleaved: each round
     runs one step of every policy on the same batch (each its own copy of the same model), after
-    `warmup` rounds. Returns [{policy, step_time_s, gemm_path, loss}] in the order given."""
+    `warmup` rounds. Returns [{policy, step_time_s, gemm_path}] in the order given."""
     runs = []
     for p in policies:
         pol = Policy.preset(p) if isinstance(p, str) else p
