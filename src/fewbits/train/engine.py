@@ -19,6 +19,11 @@ What it does to the model (once, at construction):
     to the backward format, all through fb.round with the policy's scaling recipe.
 Native execution: bf16 on CPU (oneDNN: AVX512-BF16/AMX) and bf16/fp16 on CUDA run as real dtypes,
 with no casts per step beyond the fp32 modules'.
+  * linear layers whose formats have GEMMs of their own (int8 policies; FP8 on GPUs with FP8
+    tensor cores, or with row-wise scaling anywhere) run their three GEMMs through train/gemm.py
+    instead: natively (fewbits' AMX int8 GEMM, torch._int_mm, torch._scaled_mm) or emulated with
+    the same arithmetic, as `gemm=` says ("auto": native where the hardware does it);
+    `gemm_path` tells which path a run took.
 
 A step: engine.backward(loss) scales the loss, back-propagates, and accumulates the working
 gradients into fp32 buffers (the masters' .grad); engine.step() unscales, checks for inf/NaN,
