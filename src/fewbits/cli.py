@@ -963,8 +963,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "compare several: final loss, step time, memory, skipped steps, underflow "
                                    "and lost updates, with a loss-curve plot.")
     p.add_argument("--policy", metavar="NAME", help="a policy preset (default bf16-mixed): "
-                   "fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, mxfp8, bf16-pure, bf16-pure-sr, "
-                   "bf16-pure-kahan, ...")
+                   "fp32, tf32, bf16-mixed, fp16-mixed, fp8-hybrid, fp8-rowwise, mxfp8, int8-mixed, "
+                   "int8-mixed-gw8, bf16-pure, bf16-pure-sr, bf16-pure-kahan, ...")
     p.add_argument("--compare", metavar="P1,P2,...", help="several policies: a table and a loss-curve PNG")
     p.add_argument("--task", choices=("lm", "mlp"), default="mlp", help="lm or mlp (default mlp)")
     p.add_argument("--steps", type=int, help="training steps (default: lm 20, mlp 300)")
