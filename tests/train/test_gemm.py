@@ -911,3 +911,24 @@ def test_stochastic_int8_gradients_native_equal_emulated():
     for name, g in grads["native"].items():
         assert torch.equal(g, grads["emulated"][name]), name
     assert any(not torch.equal(g, nearest[n]) for n, g in grads["native"].items())
+
+
+def test_a_checkpoint_from_before_the_gemm_fields_loads():
+    """Checkpoints written before Policy had matmuls / grad_weight carry policy dicts without
+    them: those ran with matmuls='all' and grad_weight=None, and load into such an engine."""
+    from fewbits.train import checkpoint as ck
+
+    model = small_net()
+    eng = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed")
+    eng.train_step(model(torch.randn(4, 32, generator=gen(1))).pow(2).sum())
+    old = eng.state_dict()  # with the policy as an old checkpoint has it
+    for key in ("matmuls", "grad_weight"):
+        old["policy"].pop(key)
+    model2 = small_net()
+    eng2 = Engine(model2, torch.optim.SGD(model2.parameters(), lr=0.1), "bf16-mixed")
+    ck.check_engine_state(eng2, old)  # no CheckpointError
+    eng2.load_state_dict(old)
+    assert torch.equal(eng2.master_parameters()[0][1], eng.master_parameters()[0][1])
+    old["policy"]["matmuls"] = "linear"  # a real difference is still refused
+    with pytest.raises(ck.CheckpointError, match="policy"):
+        ck.check_engine_state(eng2, old)

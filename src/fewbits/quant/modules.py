@@ -850,7 +850,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if sx.shape[0] != m:  # a per-tensor activation scale, one per row for _scaled_mm
             sx = sx.reshape(1, 1).expand(m, 1).contiguous()
         kt = self._qweight.kernel_tensors
-        # cuBLASLt's row-wise FP8 GEMM gives bfloat16; the CPU's reference float32 as well
+        # the result: bfloat16 on CUDA (what cuBLASLt's row-wise FP8 GEMM gives), float32 on a CPU
         out = torch.float32 if x2d.device.type == "cpu" else torch.bfloat16
         y = torch._scaled_mm(xq, kt["weight"].t(), scale_a=sx, scale_b=kt["weight_scales"], out_dtype=out)
         return _with_bias(y, bias, dtype)

@@ -57,6 +57,8 @@ VERSION = 2
 _FIELDS = struct.Struct("<IQ")  # version, payload length
 _DIGEST_SIZE = 32
 HEADER_SIZE = len(MAGIC) + _FIELDS.size + _DIGEST_SIZE
+# Policy fields newer than the first checkpoints, with the values those checkpoints ran under
+_LATER_POLICY_FIELDS = {"matmuls": "all", "grad_weight": None}
 _KEYS = ("format", "policy", "optimizer_kind", "step_count", "model", "shards", "masters", "compensation",
          "optimizer", "packed_states", "scaler", "generators", "slots", "telemetry", "overflows")
 _OPTIONAL_KEYS = ("extra",)
@@ -141,6 +143,8 @@ def check_engine_state(engine, state, path=None) -> None:
     if missing or unexpected:
         fail(f"checkpoint keys: missing {missing}, unexpected {unexpected}")
     policy = state["policy"]
+    if isinstance(policy, dict):  # written before the policy had these fields: their defaults
+        policy = {**{k: v for k, v in _LATER_POLICY_FIELDS.items()}, **policy}
     if policy != engine.policy.to_dict():
         name = policy.get("name") if isinstance(policy, dict) else policy
         fail(f"checkpoint was written under policy {name!r}, this engine runs {engine.policy.name!r} "
