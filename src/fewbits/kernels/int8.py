@@ -4,6 +4,7 @@ layers and training's int8-mixed policy both run on these, so the arithmetic is 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -172,13 +173,16 @@ def int8_gemm(qa: torch.Tensor, qb: torch.Tensor, da: torch.Tensor | None = None
     return rescale(int8_int8_matmul(qa.contiguous(), qb.contiguous()), da, db, bias, out_dtype)
 
 
+def amx_ready() -> bool:
+    """Whether int8_gemm runs fewbits' AMX kernel on this CPU."""
+    lib = native.library()
+    return lib is not None and native.amx_int8_ready(lib)
+
+
 def int8_kernel(device: torch.device | str = "cpu") -> str:
     """The kernel int8_gemm runs on `device`, in words."""
     if torch.device(device).type == "cpu":
-        lib = native.library()
-        if lib is not None and native.amx_int8_ready(lib):
-            return "fewbits AMX int8 GEMM"
-        return "torch._int_mm (oneDNN)"
+        return "fewbits AMX int8 GEMM" if amx_ready() else "torch._int_mm (oneDNN)"
     return "torch._int_mm"
 
 
@@ -200,3 +204,36 @@ def quantize_lines(x2d: torch.Tensor, contiguous: bool = True, backend: str = "a
         raise ValueError("the fused int8 quantizer takes 2-D CPU bfloat16 tensors with the native library built")
     return quantize_rows_int8(x2d, True, nonfinite="keep", backend="torch" if backend == "torch" else "auto",
                               seed=seed)
+
+
+def sums_exactly(matmul, prepare=None) -> bool:
+    """Whether a CPU int8 GEMM `matmul(q, w, prepare(w))` -> the int32 sums of q [rows, K] and
+    w [N, K] is exact here, tried on worst-case values against an int64 matmul.
+
+    oneDNN without VNNI (AVX2-only CPUs such as AMD EPYC Rome and Milan, AVX-512 without VNNI;
+    ONEDNN_MAX_CPU_ISA=AVX2 imitates them) multiplies uint8 x int8 pairs with vpmaddubsw, whose
+    int16 sum of two products saturates (2 x 255 x 127 > 32767): the int32 results come out wrong
+    by up to 4e4, silently. oneDNN picks its kernel by shape, so the probe runs 1, 32 and 256
+    rows, each with K a multiple of 64 and K not (200), N = 24, with the worst case (127, weight
+    rows 127 and -127) in the first and last rows, where blocks and tails start and end."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        for k in (64, 200):  # |sums| <= K * 127^2 < 2^24: a float32 result is exact too
+            w = torch.randint(-127, 128, (24, k), generator=g).to(torch.int8)
+            w[0], w[1], w[-1] = 127, -127, 127
+            prepared = prepare(w) if prepare is not None else None
+            for rows in (1, 32, 256):
+                q = torch.randint(-127, 128, (rows, k), generator=g).to(torch.int8)
+                q[0], q[-1] = 127, 127
+                want = q.to(torch.int64) @ w.to(torch.int64).t()
+                if not torch.equal(matmul(q, w, prepared).to(torch.int64), want):
+                    return False
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm sums exactly on this CPU (sums_exactly; once per process)."""
+    return sums_exactly(lambda q, w, _: int8_int8_matmul(q, w))

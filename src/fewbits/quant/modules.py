@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import IntFormat, get_format
-from ..kernels import native
+from ..kernels import int8 as kernels_int8, native
 from . import lowbit_ops as ops
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
@@ -346,27 +346,13 @@ def cpu_int8_gemm_exact(kernel: str) -> bool:
     rows, tail code for K off its 64-wide blocks and N off its 16-wide ones), so the probe runs
     1, 32 and 256 rows, each with K a multiple of 64 and K not (200), N = 24, and puts the worst
     case (activations 127, weight rows 127 and -127) in the first and last rows, where blocks and
-    tails start and end. Six small GEMMs, once per process."""
-    g = torch.Generator().manual_seed(0)
-    try:
-        for k in (64, 200):  # |sums| <= K * 127^2 < 2^24: the onednn kernel's float32 is exact
-            w = torch.randint(-127, 128, (24, k), generator=g).to(torch.int8)
-            w[0], w[1], w[-1] = 127, -127, 127
-            packed = ops.onednn_prepack_int8(w) if kernel == "w8a8_onednn" else None
-            for rows in (1, 32, 256):
-                q = torch.randint(-127, 128, (rows, k), generator=g).to(torch.int8)
-                q[0], q[-1] = 127, 127
-                want = q.to(torch.int64) @ w.to(torch.int64).t()
-                if kernel == "w8a8_onednn":
-                    got = ops.int8_int8_matmul_onednn((q.to(torch.int16) + 128).to(torch.uint8),
-                                                      packed, torch.ones(w.shape[0]))
-                else:
-                    got = ops.int8_int8_matmul(q, w)
-                if not torch.equal(got.to(torch.int64), want):
-                    return False
-    except RuntimeError:
-        return False
-    return True
+    tails start and end (kernels.int8.sums_exactly). Six small GEMMs, once per process."""
+    if kernel == "w8a8_int_mm":
+        return kernels_int8.sums_exactly(lambda q, w, _: ops.int8_int8_matmul(q, w))
+    return kernels_int8.sums_exactly(
+        lambda q, w, packed: ops.int8_int8_matmul_onednn((q.to(torch.int16) + 128).to(torch.uint8), packed,
+                                                         torch.ones(w.shape[0])),
+        prepare=ops.onednn_prepack_int8)
 
 
 def available_kernels(scheme, shape, device="cpu") -> list[str]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import IntFormat, get_format
-from ..kernels.int8 import int8_gemm, int8_kernel, quantize_lines, rescale
+from ..kernels.int8 import amx_ready, int8_gemm, int8_kernel, int_mm_exact, quantize_lines, rescale
 from ..kernels.random import draw_seed
 from .fp8 import ScaledCast, float8_dtype, pow2_scales, to_float8
 
@@ -192,6 +192,10 @@ def plan_route(policy, device: torch.device, mode: str = "auto") -> GemmRoute | 
     if mode == "native" and reason is not None and not (kind == "fp8" and hasattr(torch, "_scaled_mm")
                                                           and torch.device(device).type == "cpu"):
         raise ValueError(f"gemm='native': {reason}")
+    if kind == "int8" and reason is None and torch.device(device).type == "cpu" and not amx_ready() \
+            and not int_mm_exact() and mode == "auto":
+        # oneDNN without VNNI saturates int16 pair sums: auto keeps the exact emulation there
+        reason = "torch._int_mm's int8 sums are not exact on this CPU (oneDNN without VNNI)"
     if mode == "emulated":
         native, reason = False, "asked for"
     elif mode == "native":
