@@ -284,3 +284,37 @@ ORACLE_TYPES = {
     "fp4_e2m1": ("float4_e2m1fn", None),
     "e8m0": ("float8_e8m0fnu", "float8_e8m0fnu"),
 }
+
+
+def build_c_source(src, march: str, tmp_dir, declare, extra_flags=()):
+    """ctypes library of one csrc/ file compiled for `march` ("native": the library fewbits itself
+    loads), with `declare` setting its argument types; pytest.skip where it cannot be built or run."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from fewbits.kernels import native
+
+    if march == "native":
+        lib = native.library()
+        if lib is None:
+            pytest.skip(native.status()["reason"])
+        return lib
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86-64 levels exist on x86-64 only")
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA to run an x86-64-v3 build")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_dir / (src.stem + ".so")
+    flags = [f for f in native.CFLAGS if not f.startswith("-march")]
+    r = subprocess.run([cc, *flags, f"-march={march}", *extra_flags, "-o", str(out), str(src), "-lm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    built = ctypes.CDLL(str(out))  # our own file, just written in pytest's private directory
+    declare(built)
+    return built

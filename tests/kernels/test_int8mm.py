@@ -13,16 +13,13 @@ baseline x86-64, as AMD and older machines build it.
 """
 from __future__ import annotations
 
-import ctypes
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from fewbits.kernels import int8, native
+from helpers import build_c_source
 
 SRC = Path(native.__file__).with_name("csrc") / "int8mm.c"
 BUILDS = ["native", "x86-64-v3", "x86-64"]
@@ -30,27 +27,7 @@ BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 @pytest.fixture(scope="module", params=BUILDS)
 def lib(request, tmp_path_factory):
-    march = request.param
-    if march == "native":
-        lib = native.library()
-        if lib is None:
-            pytest.skip(native.status()["reason"])
-        return lib
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the x86-64 levels exist on x86-64 only")
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= native.cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA to run an x86-64-v3 build")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp(march) / "int8mm.so"
-    flags = [f for f in native.CFLAGS if not f.startswith("-march")]
-    r = subprocess.run([cc, *flags, f"-march={march}", "-fopenmp", "-o", str(out), str(SRC), "-lm"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    built = ctypes.CDLL(str(out))  # our own file, just written in pytest's private directory
-    native.declare_int8mm(built)
-    return built
+    return build_c_source(SRC, request.param, tmp_path_factory.mktemp(request.param), native.declare_int8mm, ("-fopenmp",))
 
 
 def _bf16(shape, seed, scale=3.0):

@@ -11,16 +11,13 @@ older machines that run fewbits build it, and every build must give:
 """
 from __future__ import annotations
 
-import ctypes
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from fewbits.kernels import native
+from helpers import build_c_source
 
 SRC = Path(native.__file__).with_name("csrc") / "lut4.c"
 BUILDS = ["native", "x86-64-v3", "x86-64"]
@@ -32,26 +29,7 @@ def _flags() -> frozenset[str]:
 
 @pytest.fixture(scope="module", params=BUILDS)
 def lib(request, tmp_path_factory):
-    march = request.param
-    if march == "native":
-        lib = native.library()
-        if lib is None:
-            pytest.skip(native.status()["reason"])
-        return lib
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the x86-64 levels exist on x86-64 only")
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= _flags():
-        pytest.skip("this CPU has no AVX2/FMA to run an x86-64-v3 build")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp(march) / "lut4.so"
-    r = subprocess.run([cc, *[f for f in native.CFLAGS if not f.startswith("-march")], f"-march={march}",
-                        "-o", str(out), str(SRC), "-lm"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    built = ctypes.CDLL(str(out))  # our own file, just written in pytest's private directory
-    native.declare_lut4(built)
-    return built
+    return build_c_source(SRC, request.param, tmp_path_factory.mktemp(request.param), native.declare_lut4, ())
 
 
 def _nibbles(codes: torch.Tensor, n: int, row_len: int) -> torch.Tensor:

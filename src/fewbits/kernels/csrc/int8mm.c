@@ -56,6 +56,20 @@ int fb_amx_int8_ready(void) {
 
 /* Bytes fb_amx_pack_b writes for an [n, k] B: ceil(n / 32) * 2 panels of 16 columns (so whole
  * 32-column blocks), ceil(k / 64) reduction blocks, 1024 bytes each. */
+/* panel (nb, kb) element by element, B[col][kk] at src[col * s_col + kk * s_k], zeros outside */
+static void pack_panel(const int8_t *src, int64_t s_col, int64_t s_k, int64_t n, int64_t k, int64_t nb, int64_t kb,
+                       int8_t *panel) {
+    for (int c = 0; c < 16; c++) {
+        const int64_t col = nb * 16 + c;
+        for (int r = 0; r < 16; r++) {
+            for (int j = 0; j < 4; j++) {
+                const int64_t kk = kb * 64 + 4 * r + j;
+                panel[r * 64 + 4 * c + j] = (col < n && kk < k) ? src[col * s_col + kk * s_k] : 0;
+            }
+        }
+    }
+}
+
 int64_t fb_amx_packed_bytes(int64_t n, int64_t k) {
     return ((n + 31) / 32) * 2 * ((k + 63) / 64) * 1024;
 }
@@ -78,15 +92,7 @@ void fb_amx_pack_b(const int8_t *b, int64_t n, int64_t k, int64_t ldb, int8_t *o
                 continue;
             }
 #endif
-            for (int c = 0; c < 16; c++) {
-                const int64_t col = nb * 16 + c;
-                for (int r = 0; r < 16; r++) {
-                    for (int j = 0; j < 4; j++) {
-                        const int64_t kk = kb * 64 + 4 * r + j;
-                        panel[r * 64 + 4 * c + j] = (col < n && kk < k) ? b[col * ldb + kk] : 0;
-                    }
-                }
-            }
+            pack_panel(b, ldb, 1, n, k, nb, kb, panel);
         }
     }
 }
@@ -569,15 +575,7 @@ void fb_amx_pack_bt(const int8_t *bt, int64_t k, int64_t n, int64_t ldbt, int8_t
                 continue;
             }
 #endif
-            for (int c = 0; c < 16; c++) {
-                const int64_t col = nb * 16 + c;
-                for (int r = 0; r < 16; r++) {
-                    for (int j = 0; j < 4; j++) {
-                        const int64_t kk = kb * 64 + 4 * r + j;
-                        panel[r * 64 + 4 * c + j] = (col < n && kk < k) ? bt[kk * ldbt + col] : 0;
-                    }
-                }
-            }
+            pack_panel(bt, 1, ldbt, n, k, nb, kb, panel);
         }
     }
 }
