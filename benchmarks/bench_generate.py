@@ -18,7 +18,8 @@ no stop at EOS), batch 1.
 Variants (one row each, every row in the same run; --variants picks):
 - transformers eager, the model as loaded: fp32, bf16 (model.to(bfloat16));
 - fewbits: fb.quantize_model(fp32 model, scheme) with scheme int8 (weight-only, per channel),
-  w8a8 (int8 weights + dynamic per-token int8 activations), int4 (g128), nf4 (g64). The tied
+  w8a8 (int8 weights + dynamic per-token int8 activations), int4 (g128), w4a8 (int4 g32 weights
+  + dynamic int8 activations in blocks of 32: llama.cpp's q4_0 x q8_0 arithmetic), nf4 (g64). The tied
   lm_head is quantized too (tied="untie", as llama.cpp quantizes its output matrix; the
   embedding lookup stays float); "int4-head32" keeps it in fp32 (fewbits' default, tied="keep");
 - bitsandbytes through transformers' BitsAndBytesConfig: bnb-nf4 (4-bit NF4, compute dtype
@@ -47,7 +48,7 @@ once; 1B: one variant in memory at a time, freed before the next), and the best 
 "= fp32" is how many leading tokens equal transformers fp32's.
 
 Ratios in the same run: decode over llama.cpp Q4_0's and over transformers fp32 eager; prefill
-over fp32. The issue's targets (15, item 4) are printed PASS/FAIL: fewbits int4 decode >= 0.5x
+over fp32. The issue's targets (15, item 4) are printed PASS/FAIL: fewbits int4 (and w4a8) decode >= 0.5x
 llama.cpp Q4_0 at one thread (goal >= 1x) and >= 2x transformers fp32; prefill of every
 quantized variant >= fp32. On a shared machine the times are indicative; read the ratios.
 """
@@ -70,14 +71,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gguf import cpu_flags, llama_quantize, quiet_fds, tensor_mapping  # noqa: E402
 
-FEWBITS_SCHEMES = {"int8": "int8", "w8a8": "w8a8", "int4": "int4", "nf4": "nf4", "int4-head32": "int4"}
+FEWBITS_SCHEMES = {"int8": "int8", "w8a8": "w8a8", "int4": "int4", "w4a8": "w4a8", "nf4": "nf4", "int4-head32": "int4"}
 FLOAT = ("fp32", "bf16")
 BNB = ("bnb-nf4", "bnb-int8")
 LLAMA = {"llama-q8_0": "q8_0", "llama-q4_0": "q4_0", "llama-q4_1": "q4_1"}
 TORCH_VARIANTS = FLOAT + tuple(FEWBITS_SCHEMES) + BNB
 ALL_VARIANTS = TORCH_VARIANTS + tuple(LLAMA)
-DEFAULT_COMPILED = ("fp32", "bf16", "int8", "int4")
-QUICK_VARIANTS = ("fp32", "bf16", "int8", "int4", "nf4", "bnb-nf4", "llama-q4_0")
+DEFAULT_COMPILED = ("fp32", "bf16", "int8", "int4", "w4a8")
+QUICK_VARIANTS = ("fp32", "bf16", "int8", "int4", "w4a8", "nf4", "bnb-nf4", "llama-q4_0")
 QUICK_COMPILED = ("fp32", "int4")
 MODELS = ("smollm2", "1b")
 
@@ -563,12 +564,12 @@ def report(name, args, rows, compile_info, notes, failed, profiles, n_batch) -> 
 
 def targets(got, rate, threads, fp32_dec, fp32_pre, q40) -> list[str]:
     out = []
-    for comp in SUFFIX:
-        key = ("int4", comp)
+    for variant, comp in ((v, c) for v in ("int4", "w4a8") for c in SUFFIX):
+        key = (variant, comp)
         if key not in got:
             continue
         dec = rate(key, "decode")
-        name = label("int4", comp)
+        name = label(variant, comp)
         if threads == 1 and q40 == q40:
             r = dec / q40
             out.append(f"{'PASS' if r >= 0.5 else 'FAIL'}: {name} decode >= 0.5x llama.cpp Q4_0 at 1 thread: "

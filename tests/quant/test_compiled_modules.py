@@ -16,7 +16,7 @@ def _model(scheme: str) -> nn.Module:
     return nn.Sequential(QuantLinear.from_linear(lin1, scheme), nn.ReLU(), QuantLinear.from_linear(lin2, scheme)).eval()
 
 
-@pytest.mark.parametrize("scheme", ["int4", "nf4", "int8", "w8a8", "q4_k", "bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["int4", "nf4", "int8", "w8a8", "w4a8", "q4_k", "bf16", "fp8"])
 def test_a_compiled_model_equals_the_eager_one_without_graph_breaks(scheme):
     model = _model(scheme)
     with torch.inference_mode():

@@ -110,7 +110,8 @@ def test_auto_picks_torchs_kernels_here():
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
             "w8a8": ("w8a8_onednn" if ops.onednn_int8_available() and qm.cpu_int8_gemm_exact("w8a8_onednn")
-                     else "w8a8_int_mm" if qm.cpu_int8_gemm_exact("w8a8_int_mm") else "dequant")}
+                     else "w8a8_int_mm" if qm.cpu_int8_gemm_exact("w8a8_int_mm") else "dequant"),
+            "w4a8": "w4a8" if native.library() is not None and native.library().fb_w4a8_vectorized() else "dequant"}
     for name, kernel in want.items():
         assert available_kernels(name, (64, 256))[0] == kernel, name
         assert QuantLinear.from_linear(_linear(64, 256), name).kernel == kernel

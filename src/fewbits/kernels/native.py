@@ -82,7 +82,7 @@ try:
 except ImportError:  # not POSIX (Windows): no checked load there, the torch kernels serve
     fcntl = None
 
-SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c")
+SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c")
 HEADERS = ("vec16.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
@@ -540,6 +540,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fb_kquant_refine.argtypes = [p, i64, i64, i32, p, i32, d, d, p, p, p, p, p, p, p, p]
     lib.fb_kquant_refine.restype = None
     declare_int8mm(lib)
+    declare_w4a8(lib)
+
+
+def declare_w4a8(lib: ctypes.CDLL) -> None:
+    """The argument types of w4a8.c's functions (also for a build of it alone, as the tests make)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.fb_w4a8_vectorized.argtypes = []
+    lib.fb_w4a8_vectorized.restype = i32
+    lib.fb_w4a8_matmul.argtypes = [p, p, i64, p, p, i32, p, i32, i32, i64, i64, p, i32]
+    lib.fb_w4a8_matmul.restype = i32
+    lib.fb_w4a8_linear.argtypes = [p, i64, i64, p, p, i32, p, i32, i32, i64, i64, p]
+    lib.fb_w4a8_linear.restype = i32
 
 
 def declare_int8mm(lib: ctypes.CDLL) -> None:
@@ -905,6 +917,86 @@ class Lut4Weight:
 
 
 # --- rounding of float32 values (round32.c) ------------------------------------------------
+class W4A8Weight:
+    """A weight W [n, k] of 4-bit integer codes in groups of 32 columns, each group with a float
+    scale s (and, for uint4 codes, a float minimum mn): w = s * (c) for signed int4 codes c, w =
+    s * u + mn for uint4 codes u -- prepared for w4a8.c's int4 x int8 dot products, which take
+    activations quantized per block of 32 columns (int8 codes, float32 scales) and sum the
+    products of codes exactly (see w4a8.c for the float32 operations around them).
+
+    codes: uint8 [n, k / 2], low nibble first. scales, minimums: [n, k / 32] float32, float16 or
+    bfloat16, referenced as stored (no copy where contiguous)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int, signed: bool,
+                 minimums: torch.Tensor | None = None):
+        n, k = int(n), int(k)
+        if k <= 0 or k % 32:
+            raise ValueError(f"w4a8 takes rows of a multiple of 32 columns, got {k}")
+        if codes.dtype != torch.uint8 or codes.device.type != "cpu" or codes.numel() != n * k // 2:
+            raise ValueError(f"codes must be CPU uint8 with {n * k // 2} bytes")
+        if signed and minimums is not None:
+            raise ValueError("signed int4 codes take no minimums")
+        self.n, self.k, self.signed = n, k, bool(signed)
+        self._codes = codes.reshape(-1).contiguous()
+        self._scales, self._s_kind = self._param(scales, n, k // 32, "scales")
+        self._mins, self._m_kind = (None, 0) if minimums is None else self._param(minimums, n, k // 32, "minimums")
+        # fb_w4a8_linear's arguments after x's (the tensors above are held, so the pointers stay)
+        self._args = (self._codes.data_ptr(), self._scales.data_ptr(), self._s_kind,
+                      self._mins.data_ptr() if self._mins is not None else None, self._m_kind,
+                      1 if self.signed else 0, self.n, self.k)
+
+    @staticmethod
+    def _param(t, n: int, groups: int, what: str):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _PARAM_KINDS or t.device.type != "cpu":
+            raise ValueError(f"{what} must be a CPU float32, float16 or bfloat16 tensor")
+        if t.numel() != n * groups:
+            raise ValueError(f"{what} needs {n * groups} values, got {t.numel()}")
+        return t.reshape(-1).contiguous(), _PARAM_KINDS[t.dtype]
+
+    def own_nbytes(self, others) -> int:
+        """Bytes this weight holds that share no storage with `others` (copies it had to make)."""
+        ptrs = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
+        held = [t for t in (self._codes, self._scales, self._mins) if t is not None]
+        return sum(t.nbytes for t in held if t.untyped_storage().data_ptr() not in ptrs)
+
+    def matmul(self, lib: ctypes.CDLL, xq: torch.Tensor, sx: torch.Tensor, force_scalar: bool = False) -> torch.Tensor:
+        """xq [M, k] int8 codes and sx [M, k / 32] float32 block scales of the activations ->
+        y [M, n] float32 (see w4a8.c)."""
+        if (xq.dtype != torch.int8 or xq.dim() != 2 or xq.shape[1] != self.k or xq.device.type != "cpu"
+                or sx.dtype != torch.float32 or tuple(sx.shape) != (xq.shape[0], self.k // 32) or sx.device.type != "cpu"):
+            raise ValueError(f"xq must be CPU int8 [M, {self.k}] and sx float32 [M, {self.k // 32}], got "
+                             f"{xq.dtype} {tuple(xq.shape)} and {sx.dtype} {tuple(sx.shape)}")
+        xq, sx = xq.contiguous(), sx.contiguous()
+        m = xq.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        mins = self._mins.data_ptr() if self._mins is not None else None
+        rc = lib.fb_w4a8_matmul(xq.data_ptr(), sx.data_ptr(), m, self._codes.data_ptr(), self._scales.data_ptr(),
+                                self._s_kind, mins, self._m_kind, 1 if self.signed else 0, self.n, self.k,
+                                y.data_ptr(), 1 if force_scalar else 0)
+        if rc:
+            raise (MemoryError("fb_w4a8_matmul could not allocate its copy of x") if rc == -2
+                   else RuntimeError("fb_w4a8_matmul refused its arguments"))
+        return y
+
+    def linear(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+        """x [M, k] float32 -> y [M, n] float32: x quantized per block of 32 columns (int8,
+        float32 scales amax / 127, as fewbits.quant.quantize does) inside the same C call, then
+        matmul(). ValueError where x holds NaN or inf (which that quantization cannot represent)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be CPU float32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        rc = lib.fb_w4a8_linear(x.data_ptr(), x.stride(0), m, *self._args, y.data_ptr())
+        if rc:
+            if rc == -3:
+                raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
+            raise (MemoryError("fb_w4a8_linear could not allocate its copy of x") if rc == -2
+                   else RuntimeError("fb_w4a8_linear refused its arguments"))
+        return y
+
+
 def _check_flat(x: torch.Tensor, out: torch.Tensor) -> None:
     for t in (x, out):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():

@@ -24,6 +24,13 @@ w8a8_fp8       E4M3 weights per channel + dynamic E4M3 activations per token (w8
                scale vectors (float32 sums, one rounding): FP8 tensor cores on CUDA compute
                capability 8.9+, where auto picks it; on a CPU only when asked for (torch's
                CPU _scaled_mm is a slow reference loop; auto picks dequant there).
+w4a8           int4 weights (or uint4 with a float minimum) in groups of 32 + dynamic int8
+               activations in blocks of 32 (w4a8; llama.cpp's q4_0 x q8_0 kind), up to
+               W4A8_MAX_BATCH rows: the activations quantized and the products of codes summed
+               exactly in int32 in one C call (csrc/w4a8.c, AVX512-VNNI), one float32 rescale
+               per 8 columns; on CPUs with that C kernel vectorized. Larger batches: the
+               activations quantized and dequantized the same way, then dequant's blocks (in
+               bfloat16 where bf16_blocks, as for weight-only layers).
 bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
 dequant        everything else (nf4, int4, q4_0, q4_1, fp8, mx*, nvfp4, int2/3, fp16, ...): the
                codes are decoded and scaled in float32 (exactly QuantizedTensor.dequantize()) a
@@ -79,7 +86,7 @@ from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
-KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "bf16", "dequant", "dequant_fp32")
+KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 _ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
 
@@ -260,6 +267,7 @@ class _RowDecoder:
         return self._finish(v, scales, zps, index)
 
 
+W4A8_MAX_BATCH = 8  # up to this many rows of x the w4a8 kernel; larger batches run dequant
 LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
 
 
@@ -305,6 +313,26 @@ def _w8a8_activations_fast(a: QuantScheme) -> bool:
             and a.mode == "nearest_even" and a.scale_format in ("fp32", "fp16", "bf16")
             and not a.double_quant and a.activations is None
             and (a.granularity == "tensor" or (a.granularity == "channel" and a.axis in (0, -2))))
+
+
+def _w4a8_kernel(s: QuantScheme, shape) -> bool:
+    """Whether csrc/w4a8.c runs this scheme, vectorized, with its exact arithmetic: 4-bit integer
+    weight codes (int4 symmetric, or uint4 with a float minimum) in row groups of 32 with float
+    scales as stored, and int8 absmax activations in blocks of 32 with float32 scales (quantized
+    in the C call as quantize() does)."""
+    a = s.activations
+    n, k = shape
+    weights = (s.granularity == "group" and s.group_size == 32 and k % 32 == 0 and not s.double_quant
+               and s.super_block is None and s.scale_format in ("fp32", "fp16", "bf16")
+               and ((s.symmetric and _is_int(s.format, 4, True))
+                    or (not s.symmetric and _is_int(s.format, 4, False) and s.zero_point == "float")))
+    acts = (_is_int(a.format, 8, True) and a.symmetric and a.scale_method == "absmax" and a.mode == "nearest_even"
+            and a.scale_format == "fp32" and not a.double_quant and a.activations is None
+            and a.granularity == "group" and a.group_size == 32)
+    if not (weights and acts):
+        return False
+    lib = native.library()
+    return lib is not None and bool(lib.fb_w4a8_vectorized())
 
 
 def _fp8_w8a8(s: QuantScheme) -> bool:
@@ -375,6 +403,8 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
         return out + ["dequant"]
     out = []
     if s.activations is not None:
+        if _w4a8_kernel(s, (n, k)):
+            out.append("w4a8")
         if _int8_weight(s) and _w8a8_activations_fast(s.activations):
             if ops.onednn_int8_available() and cpu_int8_gemm_exact("w8a8_onednn"):
                 out.append("w8a8_onednn")
@@ -578,6 +608,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self.kernel = kernel
         self._decoder = None
         self._lut4w = None
+        self._w4a8w = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
 
     def __getstate__(self):
@@ -587,6 +618,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state["_qweight"] = qweight.plain() if isinstance(qweight, KernelQuantizedTensor) else qweight
         state.pop("_decoder", None)
         state.pop("_lut4w", None)
+        state.pop("_w4a8w", None)
         return state
 
     def __setstate__(self, state):
@@ -654,6 +686,14 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         return qt
 
     _build_dequant_fp32 = _build_dequant
+
+    def _build_w4a8(self, qt: QuantizedTensor) -> QuantizedTensor:
+        s = qt.scheme
+        self._w4a8w = native.W4A8Weight(qt.codes, qt.scales, self.out_features, self.in_features, s.symmetric,
+                                        qt.minimums if not s.symmetric else None)
+        self._build_dequant(qt)  # batches beyond W4A8_MAX_BATCH rows
+        self._kernel_extra_nbytes += self._w4a8w.own_nbytes(list(qt.state_dict().values()))
+        return qt
 
     def _build_bf16(self, qt: QuantizedTensor) -> QuantizedTensor:
         w = qt.codes.view(torch.bfloat16).view(self.out_features, self.in_features)
@@ -752,7 +792,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if x2d.shape[0] == 0:
             y = _with_bias(x2d.new_zeros(0, self.out_features), self.bias, x.dtype)
         else:
-            y = getattr(self, f"_forward_{self.kernel}")(x2d, self.bias, x.dtype)
+            y = _FORWARDS[self.kernel](self, x2d, self.bias, x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -872,14 +912,33 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             self._lut4w = w
         return w
 
+    def _forward_w4a8(self, x2d, bias, dtype):
+        if x2d.device.type != "cpu":
+            return self._forward_dequant(x2d, bias, dtype)
+        x = x2d if x2d.dtype == torch.float32 else x2d.to(torch.float32)
+        if x.shape[0] <= W4A8_MAX_BATCH:
+            y = self._w4a8w.linear(native.library(), x)
+            if bias is None and dtype == torch.float32:
+                return y
+            with ops.one_thread_if_small(y.numel()):
+                return _with_bias(y, bias, dtype)
+        # batches: the activations quantized per block by the C quantizer (quantize()'s codes and
+        # scales) and dequantized (one float32 product each), then dequant's blocks -- in bfloat16
+        # where bf16_blocks says so, as for weight-only layers (bf16 of the dequantized activations
+        # and of the dequantized weight, float32 sums)
+        with ops.one_thread_if_small(x.numel()):
+            q, sc = ops.quantize_rows_int8(x.reshape(-1, 32), True)
+            xd = q.to(torch.float32).mul_(sc.unsqueeze(1)).view(x.shape)
+        return self._dequant_matmul(xd, bias, dtype, True, x_quantized=True)
+
     def _forward_dequant(self, x2d, bias, dtype):
         return self._dequant_matmul(x2d, bias, dtype, self.scheme.activations is None)
 
     def _forward_dequant_fp32(self, x2d, bias, dtype):
         return self._dequant_matmul(x2d, bias, dtype, False)
 
-    def _dequant_matmul(self, x2d, bias, dtype, bf16_batches: bool):
-        if self.scheme.activations is not None:
+    def _dequant_matmul(self, x2d, bias, dtype, bf16_batches: bool, x_quantized: bool = False):
+        if self.scheme.activations is not None and not x_quantized:
             x2d = quantize(x2d, self.scheme.activations).dequantize(x2d.dtype)
         dec = self._decoder
         if dec is None:
@@ -890,6 +949,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if w is not None and rows <= LUT4_MAX_BATCH and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16):
             # the codes read once per 8 rows of x, never decoded to memory (x in float32: exact)
             y = w.matmul(lib, x2d if x2d.dtype == torch.float32 else x2d.to(torch.float32))
+            if bias is None and dtype == torch.float32:
+                return y
             with ops.one_thread_if_small(y.numel()):
                 return _with_bias(y, bias, dtype)
         # blocks of rows decoded, each multiplied at once: in bfloat16 where asked (bf16_blocks),
@@ -951,9 +1012,11 @@ def _register(module) -> int:
     return handle
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return bool(_is_compiling is not None and _is_compiling())
 
 
 def _layer(handle: int):
@@ -966,6 +1029,10 @@ def _layer(handle: int):
 def _exporting() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_exporting") and compiler.is_exporting())
+
+
+# kernel name -> QuantLinear's forward for it (looked up per call; no string built per call)
+_FORWARDS = {k: getattr(QuantLinear, f"_forward_{k}") for k in KERNELS}
 
 
 @torch.library.custom_op("fewbits::quant_linear", mutates_args=())

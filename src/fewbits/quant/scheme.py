@@ -290,7 +290,10 @@ class QuantScheme:
         if self.mode != "nearest_even":
             parts.append(self.mode)
         if self.activations is not None:
-            parts.append(f"activations {self.activations.format.name} dynamic per token")
+            a = self.activations
+            per = (f"per block of {a.group_size}" if a.granularity == "group"
+                   else "per tensor" if a.granularity == "tensor" else "per token")
+            parts.append(f"activations {a.format.name} dynamic {per}")
         return ", ".join(parts)
 
     def layout(self, shape) -> tuple[int, int, int, int]:
@@ -448,6 +451,8 @@ def _presets() -> dict[str, QuantScheme]:
     S = QuantScheme
     per_token_int8 = S("int8", "channel", axis=0, name="int8_per_token")
     per_token_fp8 = S("fp8_e4m3", "channel", axis=0, name="fp8_per_token")
+    # each token's activations in blocks of 32 columns, as llama.cpp's q8_0 activations
+    per_block_int8 = S("int8", "group", group_size=32, name="int8_per_block")
     p = [
         S("int8", "channel", name="int8"),
         S("int8", "tensor", name="int8_tensor"),
@@ -493,6 +498,9 @@ def _presets() -> dict[str, QuantScheme]:
         S("fp4_e2m1", "nvfp4", name="nvfp4"),
         S("fp4_e2m1", "group", group_size=32, name="fp4"),
         S("int8", "channel", activations=per_token_int8, name="w8a8"),
+        # int4 weights in groups of 32 and dynamic int8 activations in blocks of 32: the integer
+        # dot products of llama.cpp's q4_0 x q8_0 (AVX512-VNNI, csrc/w4a8.c)
+        S("int4", "group", group_size=32, activations=per_block_int8, name="w4a8"),
         # FP8 weights per channel and FP8 activations per token, dynamic: FP8 tensor cores
         # (torch._scaled_mm) on GPUs that have them
         S("fp8_e4m3", "channel", activations=per_token_fp8, name="w8a8_fp8"),

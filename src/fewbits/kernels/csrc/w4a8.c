@@ -1,0 +1,344 @@
+/* 4-bit integer weights x int8 activations in blocks of 32 (w4a8), the dot products of
+ * llama.cpp's q4_0 x q8_0 kind: the activations of a row are quantized per block of 32 columns
+ * (int8 codes xq, float32 scale sx per block; fewbits.quant.quantize does that part), the
+ * weights hold 4-bit codes u per group of 32 with a float scale s (and, for uint4 codes, a float
+ * minimum mn), and the products of codes are summed exactly in int32 (VNNI's vpdpbusd, or
+ * scalar C); only the per-block rescale is float32.
+ *
+ * What it computes, exactly (the same operations in the vector and the scalar path, and in the
+ * torch reference of tests/kernels/test_w4a8.py). Columns are taken 128 at a time (a chunk c:
+ * 64 bytes of codes), in 16 lanes of 8 consecutive columns; lane l of chunk c covers columns
+ * 128 c + 8 l .. + 7, which lie in block b = 4 c + l / 4. For output y[m, n]:
+ *   I = sum over the lane's 8 columns of u * xq      (u = the nibble; XOR 8 for signed int4,
+ *   S = sum over them of xq                            whose value is then u - 8: exact ints)
+ *   J = I - 8 S (signed codes) or I (uint4 codes)
+ *   acc[l] = acc[l] + (s[n, b] * sx[m, b]) * (float)J                 (each op one rounding)
+ *   acc[l] = acc[l] + (mn[n, b] * sx[m, b]) * (float)S                (only with minimums)
+ * over chunks in order; lanes past K add (0 * 0) * 0. Then y = ((a[l] + a[l + 8]) lanes, halved
+ * again to 4, 2 and 1 lanes in the same way: r[l] + r[l + 4], r[l] + r[l + 2], r[0] + r[1].
+ * Mathematically this is sum over columns of (xq * sx) * w with w = s * (u - 8) or s * u + mn,
+ * i.e. F.linear(dequantized activations, dequantized weight), up to float32 rounding.
+ *
+ * Layout: codes [N, K / 2] bytes, low nibble first (column 2 j in the low half of byte j), K a
+ * multiple of 32; scales and minimums [N, K / 32] in float32, float16 or bfloat16, read as stored
+ * (exact conversions); xq [M, K] int8, sx [M, K / 32] float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define W4_VNNI 1
+#endif
+
+#define CHUNK 128 /* columns per step */
+#define LANES 16
+#define PREFETCH_ROWS 4
+
+enum { P_F32 = 0, P_F16 = 1, P_BF16 = 2 };
+
+int32_t fb_w4a8_vectorized(void) {
+#ifdef W4_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static float f32_of_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float, exact (subnormals, infinities and NaNs included) */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+    if (e == 0x1F) return f32_of_bits(sign | 0x7F800000u | (f << 13));
+    if (e == 0) { /* zero or subnormal: f * 2^-24, exact in float32 */
+        const float v = (float)f * f32_of_bits(0x33800000u);
+        return sign ? -v : v;
+    }
+    return f32_of_bits(sign | ((e + 112u) << 23) | (f << 13));
+}
+
+static float param_at(const void *p, int32_t kind, int64_t i) {
+    if (kind == P_F32) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    return kind == P_F16 ? half_to_float(h) : f32_of_bits((uint32_t)h << 16);
+}
+
+/* x's side, one row of activations, laid out per chunk for the weight rows to read */
+typedef struct {
+    int8_t *xe, *xo;   /* [chunks * 64]: the even and the odd columns, 0 past K */
+    float *sx;         /* [chunks * 16]: sx of the lane's block, 0 past K */
+    int32_t *neg8s;    /* [chunks * 16]: -8 S of the lane */
+    float *s;          /* [chunks * 16]: S of the lane, as float (exact) */
+} XRow;
+
+static void prepare_row(const int8_t *xq, const float *sx, int64_t K, int64_t chunks, XRow r) {
+    const int64_t blocks = K / 32;
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t j = 0; j < 64; j++) {
+            const int64_t k = c * CHUNK + 2 * j;
+            r.xe[c * 64 + j] = k < K ? xq[k] : 0;
+            r.xo[c * 64 + j] = k + 1 < K ? xq[k + 1] : 0;
+        }
+        for (int64_t l = 0; l < LANES; l++) {
+            const int64_t b = 4 * c + l / 4, k0 = c * CHUNK + 8 * l;
+            int32_t sum = 0;
+            for (int64_t t = 0; t < 8; t++)
+                if (k0 + t < K) sum += xq[k0 + t];
+            r.sx[c * LANES + l] = b < blocks ? sx[b] : 0.0f;
+            r.neg8s[c * LANES + l] = -8 * sum;
+            r.s[c * LANES + l] = (float)sum;
+        }
+    }
+}
+
+static float reduce_lanes(float *a) { /* the fixed tree of the header */
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) a[l] = a[l] + a[l + w];
+    return a[0];
+}
+
+/* one weight row against one prepared x row, scalar C: the reference the vector path equals */
+static float dot_scalar(const uint8_t *row, const void *s, const void *mn, int32_t s_kind, int32_t m_kind,
+                        int32_t is_signed, int64_t K, int64_t chunks, const XRow *x) {
+    const int64_t blocks = K / 32;
+    float acc[LANES] = {0};
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t l = 0; l < LANES; l++) {
+            const int64_t b = 4 * c + l / 4;
+            int32_t isum = 0;
+            for (int t = 0; t < 4; t++) { /* byte j = 4 l + t holds columns 2 j (low) and 2 j + 1 (high) */
+                const int64_t j = 4 * l + t;
+                const int64_t k = c * CHUNK + 2 * j;
+                uint8_t v = k < K ? row[(c * CHUNK) / 2 + j] : 0;
+                if (is_signed) v ^= 0x88;
+                isum += (int32_t)(v & 0x0F) * x->xe[c * 64 + j] + (int32_t)(v >> 4) * x->xo[c * 64 + j];
+            }
+            if (is_signed) isum += x->neg8s[c * LANES + l];
+            const float sb = b < blocks ? param_at(s, s_kind, b) : 0.0f;
+            const float sxl = x->sx[c * LANES + l];
+            acc[l] = acc[l] + (sb * sxl) * (float)isum;
+            if (mn) {
+                const float mb = b < blocks ? param_at(mn, m_kind, b) : 0.0f;
+                acc[l] = acc[l] + (mb * sxl) * x->s[c * LANES + l];
+            }
+        }
+    }
+    return reduce_lanes(acc);
+}
+
+#ifdef W4_VNNI
+/* 4 consecutive parameters (masked: `count` of them) as floats in lanes 0..3 */
+static inline __m128 load4(const void *p, int32_t kind, int64_t b, int count) {
+    const __mmask8 m = (__mmask8)((1u << count) - 1u);
+    if (kind == P_F32) return _mm_maskz_loadu_ps(m, (const float *)p + b);
+    const __m128i h = _mm_maskz_loadu_epi16(m, (const uint16_t *)p + b);
+    if (kind == P_F16) return _mm_cvtph_ps(h);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+static inline float reduce16(__m512 a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+
+static inline __m128 load4_full(const void *p, int32_t kind, int64_t b) {
+    if (kind == P_F32) return _mm_loadu_ps((const float *)p + b);
+    const __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + b));
+    if (kind == P_F16) return _mm_cvtph_ps(h);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+/* one chunk: v its 64 code bytes (zeros past K), sb / mb the block parameters of its 4 blocks */
+static inline __m512 chunk_step(__m512 acc, __m512i v, __m128 s4, __m128 m4, int32_t is_signed, int has_min,
+                                const XRow *x, int64_t c) {
+    const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    if (is_signed) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x88)); /* past K: u = 8 against xq = 0 */
+    const __m512i lo = _mm512_and_si512(v, lo_mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+    __m512i isum = is_signed ? _mm512_loadu_si512(x->neg8s + c * LANES) : _mm512_setzero_si512();
+    isum = _mm512_dpbusd_epi32(isum, lo, _mm512_loadu_si512(x->xe + c * 64));
+    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(x->xo + c * 64));
+    const __m512 sxl = _mm512_loadu_ps(x->sx + c * LANES);
+    const __m512 sb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(sb, sxl), _mm512_cvtepi32_ps(isum)));
+    if (has_min) {
+        const __m512 mb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(m4));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(mb, sxl), _mm512_loadu_ps(x->s + c * LANES)));
+    }
+    return acc;
+}
+
+/* the parameter kinds, signedness and minimum are constants in each specialization below */
+static inline __attribute__((always_inline)) float dot_vnni_t(const uint8_t *row, const void *s, const void *mn,
+                                                              int32_t s_kind, int32_t m_kind, int32_t is_signed,
+                                                              int has_min, int64_t K, int64_t chunks, const XRow *x) {
+    const int64_t blocks = K / 32, full = K / CHUNK;
+    __m512 acc = _mm512_setzero_ps();
+    const __m128 zero4 = _mm_setzero_ps();
+    for (int64_t c = 0; c < full; c++) {
+        const __m512i v = _mm512_loadu_si512(row + c * 64);
+        acc = chunk_step(acc, v, load4_full(s, s_kind, 4 * c), has_min ? load4_full(mn, m_kind, 4 * c) : zero4,
+                         is_signed, has_min, x, c);
+    }
+    if (full < chunks) { /* the last 32, 64 or 96 columns */
+        const int64_t c = full;
+        const int bytes = (int)((K - c * CHUNK) / 2), count = (int)(blocks - 4 * c);
+        const __m512i v = _mm512_maskz_loadu_epi8((((__mmask64)1 << bytes) - 1), row + c * 64);
+        acc = chunk_step(acc, v, load4(s, s_kind, 4 * c, count), has_min ? load4(mn, m_kind, 4 * c, count) : zero4,
+                         is_signed, has_min, x, c);
+    }
+    return reduce16(acc);
+}
+
+#define DOT_VNNI(SK, MK, SG, HM) \
+    static float dot_vnni_##SK##_##MK##_##SG##_##HM(const uint8_t *row, const void *s, const void *mn, int64_t K, \
+                                                      int64_t chunks, const XRow *x) { \
+        return dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, x); \
+    }
+DOT_VNNI(0, 0, 1, 0)
+DOT_VNNI(1, 0, 1, 0)
+DOT_VNNI(2, 0, 1, 0)
+DOT_VNNI(0, 0, 0, 1)
+DOT_VNNI(1, 1, 0, 1)
+DOT_VNNI(2, 2, 0, 1)
+DOT_VNNI(0, 0, 0, 0)
+DOT_VNNI(1, 0, 0, 0)
+DOT_VNNI(2, 0, 0, 0)
+
+typedef float (*DotFn)(const uint8_t *, const void *, const void *, int64_t, int64_t, const XRow *);
+
+/* the specialization for these arguments, or NULL (a mix of parameter kinds: the generic one) */
+static DotFn dot_vnni_for(int32_t s_kind, int32_t m_kind, int32_t is_signed, int has_min) {
+    if (is_signed && !has_min) {
+        static const DotFn f[3] = {dot_vnni_0_0_1_0, dot_vnni_1_0_1_0, dot_vnni_2_0_1_0};
+        return f[s_kind];
+    }
+    if (!is_signed && !has_min) {
+        static const DotFn f[3] = {dot_vnni_0_0_0_0, dot_vnni_1_0_0_0, dot_vnni_2_0_0_0};
+        return f[s_kind];
+    }
+    if (!is_signed && has_min && s_kind == m_kind) {
+        static const DotFn f[3] = {dot_vnni_0_0_0_1, dot_vnni_1_1_0_1, dot_vnni_2_2_0_1};
+        return f[s_kind];
+    }
+    return NULL;
+}
+
+static float dot_vnni(const uint8_t *row, const void *s, const void *mn, int32_t s_kind, int32_t m_kind,
+                      int32_t is_signed, int64_t K, int64_t chunks, const XRow *x) {
+    return dot_vnni_t(row, s, mn, s_kind, m_kind, is_signed, mn != NULL, K, chunks, x);
+}
+#endif
+
+static void prefetch_codes(const uint8_t *row, int64_t bytes) {
+#if defined(__GNUC__)
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+#else
+    (void)row;
+    (void)bytes;
+#endif
+}
+
+/* y [M, N] float32 (row stride N): see the header. s_kind / m_kind: 0 float32, 1 float16,
+ * 2 bfloat16; mn NULL for none; is_signed: the codes are two's complement int4 (value u - 8 after
+ * the XOR), else uint4 (value u). force_scalar: the scalar path even where VNNI is built (tests).
+ * Returns 0, -1 for a bad shape or parameter kind, -2 when x's prepared copy cannot be allocated. */
+int32_t fb_w4a8_matmul(const int8_t *xq, const float *sx, int64_t M, const uint8_t *codes, const void *s,
+                       int32_t s_kind, const void *mn, int32_t m_kind, int32_t is_signed, int64_t N, int64_t K,
+                       float *y, int32_t force_scalar) {
+    if (M < 0 || N < 0 || K <= 0 || K % 32 || !s || s_kind < 0 || s_kind > 2 || (mn && (m_kind < 0 || m_kind > 2)))
+        return -1;
+    const int64_t chunks = (K + CHUNK - 1) / CHUNK, half = K / 2, blocks = K / 32;
+    const size_t per_row = (size_t)chunks * (128 + LANES * 3 * 4);
+    uint8_t *buf = malloc(per_row * (size_t)(M > 0 ? M : 1) + 64);
+    if (!buf) return -2;
+    XRow *rows = malloc(sizeof(XRow) * (size_t)(M > 0 ? M : 1));
+    if (!rows) {
+        free(buf);
+        return -2;
+    }
+    uint8_t *p = buf;
+    for (int64_t m = 0; m < M; m++) {
+        XRow r;
+        r.sx = (float *)p;
+        r.neg8s = (int32_t *)(p + chunks * LANES * 4);
+        r.s = (float *)(p + chunks * LANES * 8);
+        r.xe = (int8_t *)(p + chunks * LANES * 12);
+        r.xo = r.xe + chunks * 64;
+        prepare_row(xq + m * K, sx + m * blocks, K, chunks, r);
+        rows[m] = r;
+        p += per_row;
+    }
+    int vector = 0;
+#ifdef W4_VNNI
+    vector = !force_scalar;
+    const DotFn fast = dot_vnni_for(s_kind, m_kind, is_signed, mn != NULL);
+#else
+    (void)force_scalar;
+#endif
+#pragma omp parallel for schedule(static) if (N >= 64)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = codes + n * half;
+        if (n + PREFETCH_ROWS < N) prefetch_codes(codes + (n + PREFETCH_ROWS) * half, half);
+        const int64_t po = n * blocks; /* this row's parameters */
+        const void *sn = s_kind == P_F32 ? (const void *)((const float *)s + po) : (const void *)((const uint16_t *)s + po);
+        const void *mnn = !mn ? NULL : m_kind == P_F32 ? (const void *)((const float *)mn + po)
+                                                        : (const void *)((const uint16_t *)mn + po);
+        for (int64_t m = 0; m < M; m++) {
+#ifdef W4_VNNI
+            if (vector) {
+                y[m * N + n] = fast ? fast(row, sn, mnn, K, chunks, &rows[m])
+                                    : dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                continue;
+            }
+#endif
+            y[m * N + n] = dot_scalar(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+        }
+    }
+    (void)vector;
+    free(rows);
+    free(buf);
+    return 0;
+}
+
+/* rowquant.c's dynamic int8 quantizer (the arithmetic of fewbits.quant.quantize with an int8
+ * absmax scheme and float32 scales: scale = amax / 127, q = round_half_even(x * (1 / scale))) */
+int64_t fb_row_int8_scales(const float *x, int64_t m, int64_t k, int64_t ld, float *scale, float *recip);
+void fb_quantize_rows_int8(const float *x, int64_t m, int64_t k, int64_t ld, const float *recip,
+                           int64_t recip_stride, uint8_t *q, int32_t offset);
+
+/* fb_w4a8_matmul on float32 activations x [M, K] (row stride ldx), quantized here per block of
+ * 32 columns with float32 scales, exactly as fewbits.quant.quantize(x, int8 group-32 absmax
+ * scheme) does. Returns as fb_w4a8_matmul, and -3 (nothing written) where x holds NaN or inf,
+ * which such a quantization cannot represent. */
+int32_t fb_w4a8_linear(const float *x, int64_t ldx, int64_t M, const uint8_t *codes, const void *s, int32_t s_kind,
+                       const void *mn, int32_t m_kind, int32_t is_signed, int64_t N, int64_t K, float *y) {
+    if (M < 0 || K <= 0 || K % 32 || ldx < K) return -1;
+    const int64_t blocks = K / 32;
+    int8_t *xq = malloc((size_t)(M * K + 1));
+    float *sx = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
+    if (!xq || !sx) {
+        free(xq);
+        free(sx);
+        return -2;
+    }
+    float *recip = sx + M * blocks;
+    int64_t bad = 0;
+    for (int64_t m = 0; m < M; m++) {
+        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx + m * blocks, recip + m * blocks);
+        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip + m * blocks, 1, (uint8_t *)(xq + m * K), 0);
+    }
+    int32_t rc = bad ? -3 : fb_w4a8_matmul(xq, sx, M, codes, s, s_kind, mn, m_kind, is_signed, N, K, y, 0);
+    free(xq);
+    free(sx);
+    return rc;
+}
