@@ -141,3 +141,18 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="xq must be"):
         w.matmul(lib, torch.zeros(1, 32, dtype=torch.int8), torch.ones(1, 2))
     assert w.matmul(lib, torch.zeros(0, 32, dtype=torch.int8), torch.ones(0, 1)).shape == (0, 64)
+
+
+def test_each_build_runs_the_path_its_instruction_set_has(lib, request):
+    """x86-64: scalar C; x86-64-v3: AVX2; native: AVX512-VNNI where the CPU has it (else AVX2 or
+    scalar), so the bit-for-bit tests above cover every path."""
+    build = request.node.callspec.params["lib"]
+    got = lib.fb_w4a8_vectorized()
+    if build == "x86-64":
+        assert got == 0
+    elif build == "x86-64-v3":
+        assert got == 1
+    else:
+        flags = native.cpu_flags()
+        want = 2 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else 1 if {"avx2", "f16c"} <= flags else 0
+        assert got == want

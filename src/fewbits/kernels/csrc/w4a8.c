@@ -1,9 +1,10 @@
 /* 4-bit integer weights x int8 activations in blocks of 32 (w4a8), the dot products of
  * llama.cpp's q4_0 x q8_0 kind: the activations of a row are quantized per block of 32 columns
- * (int8 codes xq, float32 scale sx per block; fewbits.quant.quantize does that part), the
- * weights hold 4-bit codes u per group of 32 with a float scale s (and, for uint4 codes, a float
- * minimum mn), and the products of codes are summed exactly in int32 (VNNI's vpdpbusd, or
- * scalar C); only the per-block rescale is float32.
+ * (int8 codes xq, float32 scale sx per block, as fewbits.quant.quantize does; fb_w4a8_linear
+ * does it with rowquant.c's quantizer), the weights hold 4-bit codes u per group of 32 with a
+ * float scale s (and, for uint4 codes, a float minimum mn), and the products of codes are summed
+ * exactly in int32 (AVX512-VNNI's vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, or scalar C); only
+ * the per-block rescale is float32.
  *
  * What it computes, exactly (the same operations in the vector and the scalar path, and in the
  * torch reference of tests/kernels/test_w4a8.py). Columns are taken 128 at a time (a chunk c:
@@ -30,6 +31,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define W4_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define W4_AVX2 1 /* vpmaddubsw + vpmaddwd: the int16 pair sums (at most 2 x 15 x 128) cannot saturate */
 #endif
 
 #define CHUNK 128 /* columns per step */
@@ -38,8 +42,11 @@
 
 enum { P_F32 = 0, P_F16 = 1, P_BF16 = 2 };
 
+/* 2: AVX512-VNNI, 1: AVX2, 0: scalar C only */
 int32_t fb_w4a8_vectorized(void) {
-#ifdef W4_VNNI
+#if defined(W4_VNNI)
+    return 2;
+#elif defined(W4_AVX2)
     return 1;
 #else
     return 0;
@@ -239,6 +246,76 @@ static float dot_vnni(const uint8_t *row, const void *s, const void *mn, int32_t
 }
 #endif
 
+#ifdef W4_AVX2
+static inline __m128 load4_avx2(const void *p, int32_t kind, int64_t b, int count) {
+    if (count == 4) {
+        if (kind == P_F32) return _mm_loadu_ps((const float *)p + b);
+        const __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + b));
+        if (kind == P_F16) return _mm_cvtph_ps(h);
+        return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    }
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < count; i++) v[i] = param_at(p, kind, b + i);
+    return _mm_loadu_ps(v);
+}
+
+/* the 8 int32 lane sums of 32 code bytes against 32 + 32 activation bytes */
+static inline __m256i lanes_avx2(__m256i v, const int8_t *xe, const int8_t *xo, __m256i init) {
+    const __m256i lo_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_and_si256(v, lo_mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xe));
+    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)xo));
+    return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+}
+
+static float dot_avx2(const uint8_t *row, const void *s, const void *mn, int32_t s_kind, int32_t m_kind,
+                      int32_t is_signed, int64_t K, int64_t chunks, const XRow *x) {
+    const int64_t blocks = K / 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x88);
+    const __m256i idx_lo = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), idx_hi = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* lanes 0..7 and 8..15 */
+    uint8_t tail[64];
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t left = K - c * CHUNK;
+        const uint8_t *src = row + c * 64;
+        if (left < CHUNK) { /* the last 32, 64 or 96 columns: zeros after them */
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, src, (size_t)(left / 2));
+            src = tail;
+        }
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)src), v1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+        if (is_signed) {
+            v0 = _mm256_xor_si256(v0, flip);
+            v1 = _mm256_xor_si256(v1, flip);
+        }
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i i0 = lanes_avx2(v0, x->xe + c * 64, x->xo + c * 64,
+                                      is_signed ? _mm256_loadu_si256((const __m256i *)(x->neg8s + c * LANES)) : z);
+        const __m256i i1 = lanes_avx2(v1, x->xe + c * 64 + 32, x->xo + c * 64 + 32,
+                                      is_signed ? _mm256_loadu_si256((const __m256i *)(x->neg8s + c * LANES + 8)) : z);
+        const int count = blocks - 4 * c >= 4 ? 4 : (int)(blocks - 4 * c);
+        const __m256 s4 = _mm256_castps128_ps256(load4_avx2(s, s_kind, 4 * c, count));
+        const __m256 sx0 = _mm256_loadu_ps(x->sx + c * LANES), sx1 = _mm256_loadu_ps(x->sx + c * LANES + 8);
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(s4, idx_lo), sx0),
+                                                 _mm256_cvtepi32_ps(i0)));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(s4, idx_hi), sx1),
+                                                 _mm256_cvtepi32_ps(i1)));
+        if (mn) {
+            const __m256 m4 = _mm256_castps128_ps256(load4_avx2(mn, m_kind, 4 * c, count));
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(m4, idx_lo), sx0),
+                                                     _mm256_loadu_ps(x->s + c * LANES)));
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(m4, idx_hi), sx1),
+                                                     _mm256_loadu_ps(x->s + c * LANES + 8)));
+        }
+    }
+    const __m256 h = _mm256_add_ps(acc0, acc1); /* a[l] + a[l + 8] */
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+#endif
+
 static void prefetch_codes(const uint8_t *row, int64_t bytes) {
 #if defined(__GNUC__)
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
@@ -282,6 +359,8 @@ int32_t fb_w4a8_matmul(const int8_t *xq, const float *sx, int64_t M, const uint8
 #ifdef W4_VNNI
     vector = !force_scalar;
     const DotFn fast = dot_vnni_for(s_kind, m_kind, is_signed, mn != NULL);
+#elif defined(W4_AVX2)
+    vector = !force_scalar;
 #else
     (void)force_scalar;
 #endif
@@ -298,6 +377,12 @@ int32_t fb_w4a8_matmul(const int8_t *xq, const float *sx, int64_t M, const uint8
             if (vector) {
                 y[m * N + n] = fast ? fast(row, sn, mnn, K, chunks, &rows[m])
                                     : dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                continue;
+            }
+#endif
+#ifdef W4_AVX2
+            if (vector) {
+                y[m * N + n] = dot_avx2(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
                 continue;
             }
 #endif
