@@ -28,6 +28,7 @@ needs_kernel = pytest.mark.skipif(not _vectorized(), reason="the w4a8 C kernel i
 ACT = get_scheme("w4a8").activations
 Q4_1_A8 = get_scheme("q4_1").with_(activations=ACT)           # uint4 + float minimum, fp16 parameters
 BF16_A8 = get_scheme("w4a8").with_(scale_format="bf16")
+FP32_A8 = get_scheme("w4a8").with_(scale_format="fp32")
 
 
 def _linear(n, k, bias=False, seed=0):
@@ -44,7 +45,7 @@ def _bound(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def test_the_scheme():
     s = get_scheme("w4a8")
-    assert (s.format.name, s.granularity, s.group_size, s.symmetric) == ("int4", "group", 32, True)
+    assert (s.format.name, s.granularity, s.group_size, s.symmetric, s.scale_format) == ("int4", "group", 32, True, "fp16")
     a = s.activations
     assert (a.format.name, a.granularity, a.group_size, a.scale_format) == ("int8", "group", 32, "fp32")
     assert "activations int8 dynamic per block of 32" in s.describe()
@@ -52,7 +53,8 @@ def test_the_scheme():
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheme", ["w4a8", Q4_1_A8, BF16_A8], ids=["int4 fp32", "q4_1 fp16 + min", "int4 bf16"])
+@pytest.mark.parametrize("scheme", ["w4a8", FP32_A8, Q4_1_A8, BF16_A8],
+                         ids=["int4 fp16", "int4 fp32", "q4_1 fp16 + min", "int4 bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("k", [576, 128, 32, 4096])
 def test_small_batches_are_the_reference_up_to_float32_rounding(scheme, rows, k):

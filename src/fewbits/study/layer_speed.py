@@ -192,13 +192,14 @@ FEWBITS_VARIANTS: dict[str, tuple[str | None, str | None]] = {
     "int8": ("int8", None),
     "int4 g128": ("int4", None),
     "int4 g32": ("int4_g32", None),
+    "w4a8": ("w4a8", None),                    # int4 g32 x int8 activations per block of 32
     "nf4": ("nf4", None),
     "mxfp4": ("mxfp4", None),
     "nvfp4": ("nvfp4", None),
     "fp4": ("fp4", None),
     "fp8": ("fp8", None),
 }
-BENCH_FEWBITS = ("fp32", "bf16", "int8", "w8a8", "int4 g128", "nf4")
+BENCH_FEWBITS = ("fp32", "bf16", "int8", "w8a8", "int4 g128", "w4a8", "nf4")
 LOOKUP_4BIT = ("nf4", "mxfp4", "nvfp4", "fp4")  # the 4-bit lookup formats of issue 15
 WEIGHT_ONLY_LOWBIT = ("int8", "int4 g128", "int4 g32", "nf4", "mxfp4", "nvfp4", "fp4")
 
