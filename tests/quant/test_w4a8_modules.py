@@ -45,10 +45,14 @@ def _bound(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def test_the_scheme():
     s = get_scheme("w4a8")
-    assert (s.format.name, s.granularity, s.group_size, s.symmetric, s.scale_format) == ("int4", "group", 32, True, "fp16")
+    assert (s.format.name, s.granularity, s.group_size, s.symmetric, s.scale_format, s.scale_method) == \
+        ("int4", "group", 32, True, "fp16", "gguf")
     a = s.activations
     assert (a.format.name, a.granularity, a.group_size, a.scale_format) == ("int8", "group", 32, "fp32")
     assert "activations int8 dynamic per block of 32" in s.describe()
+    w = torch.randn(64, 256)
+    a, b = quantize(w, s), quantize(w, "q4_0")  # the weights are GGUF Q4_0's, bit for bit
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
     assert "activations int8 dynamic per token" in get_scheme("w8a8").describe()
 
 

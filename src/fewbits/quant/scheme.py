@@ -498,10 +498,11 @@ def _presets() -> dict[str, QuantScheme]:
         S("fp4_e2m1", "nvfp4", name="nvfp4"),
         S("fp4_e2m1", "group", group_size=32, name="fp4"),
         S("int8", "channel", activations=per_token_int8, name="w8a8"),
-        # int4 weights in groups of 32 with fp16 scales (4.5 bits a weight, as GGUF's Q4_0) and
-        # dynamic int8 activations in blocks of 32: the integer dot products of llama.cpp's
-        # q4_0 x q8_0 (AVX512-VNNI or AVX2, csrc/w4a8.c)
-        S("int4", "group", group_size=32, scale_format="fp16", activations=per_block_int8, name="w4a8"),
+        # GGUF Q4_0's weights (the q4_0 preset: 4.5 bits a weight) and dynamic int8 activations in
+        # blocks of 32: the integer dot products of llama.cpp's q4_0 x q8_0 (AVX512-VNNI or AVX2,
+        # csrc/w4a8.c)
+        S("int4", "group", group_size=32, scale_format="fp16", scale_method="gguf", activations=per_block_int8,
+          name="w4a8"),
         # FP8 weights per channel and FP8 activations per token, dynamic: FP8 tensor cores
         # (torch._scaled_mm) on GPUs that have them
         S("fp8_e4m3", "channel", activations=per_token_fp8, name="w8a8_fp8"),

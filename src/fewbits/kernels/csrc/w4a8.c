@@ -38,7 +38,9 @@
 
 #define CHUNK 128 /* columns per step */
 #define LANES 16
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 4
+#endif
 
 enum { P_F32 = 0, P_F16 = 1, P_BF16 = 2 };
 
