@@ -156,3 +156,23 @@ def test_each_build_runs_the_path_its_instruction_set_has(lib, request):
         flags = native.cpu_flags()
         want = 2 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else 1 if {"avx2", "f16c"} <= flags else 0
         assert got == want
+
+
+@pytest.mark.xfail(strict=True, reason="W4A8Weight.linear passes x.stride(0) as ldx; fb_w4a8_linear refuses "
+                                       "ldx < K, so broadcast (stride-0) or overlapping rows raise RuntimeError")
+@pytest.mark.parametrize("layout", ["expanded", "overlapping rows", "one row, row stride 1"])
+def test_linear_takes_rows_of_any_stride(layout):
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.status()["reason"])
+    n, k = 64, 256
+    _, _, codes, scales, _ = _case(1, n, k, 11)
+    w = native.W4A8Weight(codes, scales, n, k, True)
+    base = torch.randn(2 * k)
+    if layout == "expanded":
+        x = base[:k].view(1, k).expand(4, k)
+    elif layout == "overlapping rows":
+        x = base.as_strided((3, k), (10, 1))
+    else:
+        x = torch.randn(k, 1).t()  # [1, k] with strides (1, 1)
+    assert torch.equal(w.linear(lib, x), w.linear(lib, x.contiguous()))

@@ -159,3 +159,57 @@ def test_state_copies_and_the_dequant_kernel_agree():
         assert isinstance(d.qweight, QuantizedTensor)
         assert torch.allclose(d(x), y, atol=1e-5, rtol=1e-5)
     assert q.nbytes == d.nbytes  # the kernel reads the codes and scales as stored: nothing of its own
+
+
+@needs_kernel
+@pytest.mark.xfail(strict=True, reason="_forward_w4a8 hands native.library() (None inside native.turned_off()) "
+                                       "to W4A8Weight.linear: AttributeError instead of the torch path")
+def test_a_w4a8_layer_runs_with_the_native_library_turned_off():
+    q = QuantLinear.from_linear(_linear(64, 128), "w4a8")
+    x = torch.randn(3, 128)
+    with torch.no_grad(), native.turned_off():
+        y = q(x)
+    with torch.no_grad():
+        ref = q.reference_forward(x)
+    assert ((y.double() - ref.double()).abs() <= _bound(q, x)).all()
+
+
+@needs_kernel
+@pytest.mark.xfail(strict=True, reason="broadcast x (row stride 0): W4A8Weight.linear passes ldx = 0, which "
+                                       "fb_w4a8_linear refuses (ldx < K): RuntimeError 'refused its arguments'")
+@pytest.mark.parametrize("shape", [(4, 128), (2, 3, 128)])
+def test_broadcast_inputs_are_taken(shape):
+    q = QuantLinear.from_linear(_linear(64, 128), "w4a8")
+    x = torch.randn(128).expand(*shape)  # stride 0 over the rows, as broadcasting makes them
+    with torch.no_grad():
+        assert torch.equal(q(x), q(x.contiguous()))
+
+
+@needs_kernel
+@pytest.mark.skipif(not qm.ops.fast_bf16_matmul(), reason="the defect shows where bf16_blocks() is true")
+@pytest.mark.xfail(strict=True, reason="_forward_w4a8 casts float16 / float64 batches to float32 first, so "
+                                       "bf16_blocks() (float32 batches only) multiplies them in bfloat16: about "
+                                       "8x the error of the dequant kernel for float16, 4e4x for float64")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_float16_and_float64_batches_are_not_multiplied_in_bfloat16(dtype):
+    lin = _linear(96, 576, seed=1)
+    q = QuantLinear.from_linear(lin, "w4a8")
+    x = torch.randn(64, 576).to(dtype)
+    xd = quantize(x.double(), ACT).dequantize().double()
+    wd = q.qweight.dequantize().double()
+    exact, mag = xd @ wd.T, xd.abs() @ wd.abs().T
+    with torch.no_grad():
+        err = (q(x).double() - exact).abs()
+    # float16: its own rounding of the result and of the operands (the dequant kernel: ~1e-4 mag);
+    # float64: float32 arithmetic at worst (~2e-8 mag). bfloat16 blocks give ~7e-4 mag.
+    tol = (2.0 ** -11 * exact.abs() + 2e-4 * mag) if dtype == torch.float16 else 1e-6 * mag
+    assert (err <= tol).all()
+
+
+@needs_kernel
+@pytest.mark.xfail(strict=True, reason="out_features = 0: the empty scales tensor's data_ptr() is NULL, which "
+                                       "fb_w4a8_matmul refuses (!s): RuntimeError 'refused its arguments'")
+def test_a_layer_without_outputs():
+    q = QuantLinear.from_linear(nn.Linear(256, 0), "w4a8")
+    with torch.no_grad():
+        assert q(torch.randn(2, 256)).shape == (2, 0)
