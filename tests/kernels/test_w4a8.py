@@ -158,8 +158,6 @@ def test_each_build_runs_the_path_its_instruction_set_has(lib, request):
         assert got == want
 
 
-@pytest.mark.xfail(strict=True, reason="W4A8Weight.linear passes x.stride(0) as ldx; fb_w4a8_linear refuses "
-                                       "ldx < K, so broadcast (stride-0) or overlapping rows raise RuntimeError")
 @pytest.mark.parametrize("layout", ["expanded", "overlapping rows", "one row, row stride 1"])
 def test_linear_takes_rows_of_any_stride(layout):
     lib = native.library()

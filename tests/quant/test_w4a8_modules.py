@@ -162,8 +162,6 @@ def test_state_copies_and_the_dequant_kernel_agree():
 
 
 @needs_kernel
-@pytest.mark.xfail(strict=True, reason="_forward_w4a8 hands native.library() (None inside native.turned_off()) "
-                                       "to W4A8Weight.linear: AttributeError instead of the torch path")
 def test_a_w4a8_layer_runs_with_the_native_library_turned_off():
     q = QuantLinear.from_linear(_linear(64, 128), "w4a8")
     x = torch.randn(3, 128)
@@ -175,8 +173,6 @@ def test_a_w4a8_layer_runs_with_the_native_library_turned_off():
 
 
 @needs_kernel
-@pytest.mark.xfail(strict=True, reason="broadcast x (row stride 0): W4A8Weight.linear passes ldx = 0, which "
-                                       "fb_w4a8_linear refuses (ldx < K): RuntimeError 'refused its arguments'")
 @pytest.mark.parametrize("shape", [(4, 128), (2, 3, 128)])
 def test_broadcast_inputs_are_taken(shape):
     q = QuantLinear.from_linear(_linear(64, 128), "w4a8")
@@ -187,9 +183,6 @@ def test_broadcast_inputs_are_taken(shape):
 
 @needs_kernel
 @pytest.mark.skipif(not qm.ops.fast_bf16_matmul(), reason="the defect shows where bf16_blocks() is true")
-@pytest.mark.xfail(strict=True, reason="_forward_w4a8 casts float16 / float64 batches to float32 first, so "
-                                       "bf16_blocks() (float32 batches only) multiplies them in bfloat16: about "
-                                       "8x the error of the dequant kernel for float16, 4e4x for float64")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_float16_and_float64_batches_are_not_multiplied_in_bfloat16(dtype):
     lin = _linear(96, 576, seed=1)
@@ -207,8 +200,6 @@ def test_float16_and_float64_batches_are_not_multiplied_in_bfloat16(dtype):
 
 
 @needs_kernel
-@pytest.mark.xfail(strict=True, reason="out_features = 0: the empty scales tensor's data_ptr() is NULL, which "
-                                       "fb_w4a8_matmul refuses (!s): RuntimeError 'refused its arguments'")
 def test_a_layer_without_outputs():
     q = QuantLinear.from_linear(nn.Linear(256, 0), "w4a8")
     with torch.no_grad():

@@ -969,6 +969,8 @@ class W4A8Weight:
         xq, sx = xq.contiguous(), sx.contiguous()
         m = xq.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
+        if m == 0 or self.n == 0:
+            return y
         mins = self._mins.data_ptr() if self._mins is not None else None
         rc = lib.fb_w4a8_matmul(xq.data_ptr(), sx.data_ptr(), m, self._codes.data_ptr(), self._scales.data_ptr(),
                                 self._s_kind, mins, self._m_kind, 1 if self.signed else 0, self.n, self.k,
@@ -984,11 +986,13 @@ class W4A8Weight:
         matmul(). ValueError where x holds NaN or inf (which that quantization cannot represent)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be CPU float32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
         m = x.shape[0]
+        if x.stride(1) != 1 or (m > 1 and x.stride(0) < self.k):  # broadcast or overlapping rows: a dense copy
+            x = x.contiguous()
         y = torch.empty(m, self.n, dtype=torch.float32)
-        rc = lib.fb_w4a8_linear(x.data_ptr(), x.stride(0), m, *self._args, y.data_ptr())
+        if m == 0 or self.n == 0:
+            return y
+        rc = lib.fb_w4a8_linear(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, *self._args, y.data_ptr())
         if rc:
             if rc == -3:
                 raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")

@@ -322,7 +322,7 @@ def _w4a8_kernel(s: QuantScheme, shape) -> bool:
     in the C call as quantize() does)."""
     a = s.activations
     n, k = shape
-    weights = (s.granularity == "group" and s.group_size == 32 and k % 32 == 0 and not s.double_quant
+    weights = (s.granularity == "group" and s.group_size == 32 and k > 0 and k % 32 == 0 and not s.double_quant
                and s.super_block is None and s.scale_format in ("fp32", "fp16", "bf16")
                and ((s.symmetric and _is_int(s.format, 4, True))
                     or (not s.symmetric and _is_int(s.format, 4, False) and s.zero_point == "float")))
@@ -789,8 +789,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             return self.reference_forward(x)
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] == 0:
-            y = _with_bias(x2d.new_zeros(0, self.out_features), self.bias, x.dtype)
+        if x2d.shape[0] == 0 or self.out_features == 0:
+            y = _with_bias(x2d.new_zeros(x2d.shape[0], self.out_features), self.bias, x.dtype)
         else:
             y = _FORWARDS[self.kernel](self, x2d, self.bias, x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -913,11 +913,16 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         return w
 
     def _forward_w4a8(self, x2d, bias, dtype):
-        if x2d.device.type != "cpu":
+        lib = native.library()
+        small = x2d.shape[0] <= W4A8_MAX_BATCH
+        # the C kernel takes float32 (float16 / bfloat16 inputs are exact in it); batches of other
+        # dtypes keep them (bf16_blocks is a rule for float32 batches), as the dequant kernel does
+        if (lib is None or x2d.device.type != "cpu"
+                or x2d.dtype not in ((torch.float32, torch.bfloat16, torch.float16) if small else (torch.float32,))):
             return self._forward_dequant(x2d, bias, dtype)
         x = x2d if x2d.dtype == torch.float32 else x2d.to(torch.float32)
-        if x.shape[0] <= W4A8_MAX_BATCH:
-            y = self._w4a8w.linear(native.library(), x)
+        if small:
+            y = self._w4a8w.linear(lib, x)
             if bias is None and dtype == torch.float32:
                 return y
             with ops.one_thread_if_small(y.numel()):
