@@ -87,6 +87,22 @@ def test_the_activations_are_quantized_as_quantize_does():
 
 
 @needs_kernel
+def test_the_dequantized_activations_of_batches_are_quantizes():
+    lib = native.library()
+    x = torch.randn(20, 576) * 4
+    x[0, :32] = 0.0
+    x[1, 32:64] *= 1e-30
+    x[2, 64:96] *= 1e30
+    assert torch.equal(native.w4a8_dequantized_x(lib, x), quantize(x, ACT).dequantize())
+    assert torch.equal(native.w4a8_dequantized_x(lib, x[:, :288]), quantize(x[:, :288], ACT).dequantize())
+    x[5, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        native.w4a8_dequantized_x(lib, x)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.w4a8_dequantized_x(lib, torch.randn(2, 40))
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [9, 64, 130])
 def test_batches_run_dequants_blocks_on_the_quantized_activations(rows):
     q = QuantLinear.from_linear(_linear(96, 576, seed=rows), "w4a8")

@@ -552,6 +552,8 @@ def declare_w4a8(lib: ctypes.CDLL) -> None:
     lib.fb_w4a8_matmul.restype = i32
     lib.fb_w4a8_linear.argtypes = [p, i64, i64, p, p, i32, p, i32, i32, i64, i64, p]
     lib.fb_w4a8_linear.restype = i32
+    lib.fb_w4a8_dequantized_x.argtypes = [p, i64, i64, i64, p]
+    lib.fb_w4a8_dequantized_x.restype = i32
 
 
 def declare_int8mm(lib: ctypes.CDLL) -> None:
@@ -917,6 +919,27 @@ class Lut4Weight:
 
 
 # --- rounding of float32 values (round32.c) ------------------------------------------------
+def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 quantized per block of 32 columns as W4A8Weight.linear does, then
+    dequantized: xq * sx in float32, equal to fewbits.quant.quantize(x, int8 group-32 absmax
+    scheme).dequantize(). ValueError where x holds NaN or inf."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32 or x.shape[1] == 0 or x.device.type != "cpu":
+        raise ValueError(f"x must be CPU float32 [M, K] with K a positive multiple of 32, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
+        x = x.contiguous()
+    out = torch.empty(m, k, dtype=torch.float32)
+    if m == 0:
+        return out
+    rc = lib.fb_w4a8_dequantized_x(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, out.data_ptr())
+    if rc == -3:
+        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
+    if rc:
+        raise MemoryError("fb_w4a8_dequantized_x could not allocate its scratch") if rc == -2 else RuntimeError(
+            "fb_w4a8_dequantized_x refused its arguments")
+    return out
+
+
 class W4A8Weight:
     """A weight W [n, k] of 4-bit integer codes in groups of 32 columns, each group with a float
     scale s (and, for uint4 codes, a float minimum mn): w = s * (c) for signed int4 codes c, w =

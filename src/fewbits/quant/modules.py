@@ -928,13 +928,10 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             with ops.one_thread_if_small(y.numel()):
                 return _with_bias(y, bias, dtype)
         # batches: the activations quantized per block by the C quantizer (quantize()'s codes and
-        # scales) and dequantized (one float32 product each), then dequant's blocks -- in bfloat16
-        # where bf16_blocks says so, as for weight-only layers (bf16 of the dequantized activations
-        # and of the dequantized weight, float32 sums)
-        with ops.one_thread_if_small(x.numel()):
-            q, sc = ops.quantize_rows_int8(x.reshape(-1, 32), True)
-            xd = q.to(torch.float32).mul_(sc.unsqueeze(1)).view(x.shape)
-        return self._dequant_matmul(xd, bias, dtype, True, x_quantized=True)
+        # scales) and dequantized (one float32 product each, in the same C call), then dequant's
+        # blocks -- in bfloat16 where bf16_blocks says so, as for weight-only layers (bf16 of the
+        # dequantized activations and of the dequantized weight, float32 sums)
+        return self._dequant_matmul(native.w4a8_dequantized_x(lib, x), bias, dtype, True, x_quantized=True)
 
     def _forward_dequant(self, x2d, bias, dtype):
         return self._dequant_matmul(x2d, bias, dtype, self.scheme.activations is None)
