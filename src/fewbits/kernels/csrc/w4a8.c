@@ -437,22 +437,24 @@ int32_t fb_w4a8_linear(const float *x, int64_t ldx, int64_t M, const uint8_t *co
 int32_t fb_w4a8_dequantized_x(const float *x, int64_t ldx, int64_t M, int64_t K, float *out) {
     if (M < 0 || K <= 0 || K % 32 || ldx < K) return -1;
     const int64_t blocks = K / 32;
-    int8_t *xq = malloc((size_t)(K + 1));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * blocks + 1));
+    int8_t *xq = malloc((size_t)(M * K + 1));
+    float *sx = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
     if (!xq || !sx) {
         free(xq);
         free(sx);
         return -2;
     }
-    float *recip = sx + blocks;
+    float *recip = sx + M * blocks;
     int64_t bad = 0;
-    for (int64_t m = 0; m < M && !bad; m++)
-        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx, recip);
-    for (int64_t m = 0; m < M && !bad; m++) {
-        fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx, recip);
-        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip, 1, (uint8_t *)xq, 0);
-        float *o = out + m * K;
-        for (int64_t k = 0; k < K; k++) o[k] = (float)xq[k] * sx[k / 32];
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx + m * blocks, recip + m * blocks);
+        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip + m * blocks, 1, (uint8_t *)(xq + m * K), 0);
+    }
+    if (!bad) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) out[m * K + k] = (float)xq[m * K + k] * sx[m * blocks + k / 32];
     }
     free(xq);
     free(sx);
