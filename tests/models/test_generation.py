@@ -92,3 +92,61 @@ def test_bad_arguments(tiny):
             greedy_generate(model, ids, 3)
     finally:
         model.eval()
+
+
+def test_a_model_changed_after_the_generator_was_built_is_refused(tiny):
+    """guards='generate' leaves dynamo's module guards out of each forward, so the generator
+    checks the model itself at each generate(): a replaced parameter, a module put in training
+    mode or a re-quantized layer is refused, never run through a stale graph."""
+    import copy
+
+    import fewbits as fb
+    from fewbits.models import generation
+
+    model, ids, ref = tiny
+    m = copy.deepcopy(model)
+    gen = CompiledGenerator(m, ids.shape[1] + NEW)
+    assert gen.guards == ("generate" if generation._module_guards_skippable() else "dynamo")
+    if gen.guards != "generate":
+        pytest.skip("this torch cannot leave dynamo's module guards out")
+    with torch.no_grad():
+        m.model.norm.weight.mul_(1.0)  # values change nothing dynamo guards: allowed
+    assert torch.equal(CompiledGenerator(m, ids.shape[1] + NEW).generate(ids, NEW).tokens, ref)
+    m.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.down_proj.weight.double())
+    with pytest.raises(ValueError, match="model changed"):
+        gen.generate(ids, NEW)
+    q = fb.quantize_model(copy.deepcopy(model), "int4_g32")
+    assert not any(mod.training for mod in q.modules())  # the quantized layers keep the model's mode
+    gen = CompiledGenerator(q, ids.shape[1] + NEW)
+    q.model.layers[1].self_attn.q_proj.train()
+    with pytest.raises(ValueError, match="model changed"):
+        gen.generate(ids, NEW)
+    q.model.layers[1].self_attn.q_proj.eval()
+    layer = q.model.layers[0].mlp.up_proj
+    layer.load_state_dict(layer.state_dict())  # the quantized weight rebuilt: a new kernel layout
+    with pytest.raises(ValueError, match="model changed"):
+        gen.generate(ids, NEW)
+
+
+def test_generators_of_different_models_share_no_graph(tiny):
+    """Without the module guards (the model's identity among them) a graph compiled for one model
+    must not serve another: each generator compiles its own."""
+    import copy
+
+    import fewbits as fb
+
+    model, ids, ref = tiny
+    q = fb.quantize_model(copy.deepcopy(model), "int4_g32")
+    q_tokens = greedy_generate(q, ids, NEW).tokens
+    for m, want in ((q, q_tokens), (model, ref), (q, q_tokens), (copy.deepcopy(model), ref)):
+        assert torch.equal(CompiledGenerator(m, ids.shape[1] + NEW).generate(ids, NEW).tokens, want)
+
+
+def test_dynamos_own_guards_on_request(tiny):
+    model, ids, ref = tiny
+    torch._dynamo.reset()
+    gen = CompiledGenerator(model, ids.shape[1] + NEW, guards="dynamo")
+    assert gen.guards == "dynamo"
+    assert torch.equal(gen.generate(ids, NEW).tokens, ref)
+    with pytest.raises(ValueError, match="guards"):
+        CompiledGenerator(model, ids.shape[1] + NEW, guards="none")

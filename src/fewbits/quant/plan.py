@@ -117,11 +117,12 @@ def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def quantized_module(module: nn.Module, qweight: QuantizedTensor) -> nn.Module:
-    """The quantized replacement of an nn.Linear / nn.Embedding holding `qweight`."""
+    """The quantized replacement of an nn.Linear / nn.Embedding holding `qweight`, in the
+    module's mode (train / eval), so that a model in eval mode stays all in eval mode."""
     if isinstance(module, nn.Linear):
-        return QuantLinear.from_quantized(qweight, module.bias)
+        return QuantLinear.from_quantized(qweight, module.bias).train(module.training)
     if isinstance(module, nn.Embedding):
-        return QuantEmbedding.from_quantized(qweight, module)
+        return QuantEmbedding.from_quantized(qweight, module).train(module.training)
     raise TypeError(f"cannot quantize a {type(module).__name__}")
 
 
