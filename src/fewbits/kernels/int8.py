@@ -93,7 +93,7 @@ def quantize_rows_int8(x2d: torch.Tensor, per_row: bool, round_scale=None, satur
         lo, hi = torch.aminmax(amax)  # one small reduction answers both checks below
         lo, hi = float(lo), float(hi)
         if not math.isfinite(hi):
-            raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
+            raise ValueError(native.NONFINITE_ACTIVATIONS)
     scale = round_scale(divide(amax, 127.0))
     recip = 1.0 / (scale if lo > 0 else torch.where(scale == 0, torch.ones_like(scale), scale))
     t = torch.mul(x, recip.unsqueeze(1))
@@ -126,7 +126,7 @@ def _quantize_rows_int8_native(lib, x: torch.Tensor, per_row: bool, round_scale,
     else:
         amax, bad = native.row_absmax(lib, rows)
     if bad and nonfinite == "raise":
-        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
+        raise ValueError(native.NONFINITE_ACTIVATIONS)
     if round_scale is not None:
         scale = round_scale(amax / 127.0)
         recip = reciprocal(scale)

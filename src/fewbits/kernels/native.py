@@ -918,7 +918,20 @@ class Lut4Weight:
         return out
 
 
-# --- rounding of float32 values (round32.c) ------------------------------------------------
+# --- int4 x int8 dot products (w4a8.c) ------------------------------------------------------
+NONFINITE_ACTIVATIONS = "the activations contain NaN or inf, which dynamic int8 quantization cannot represent"
+
+
+def _w4a8_rc(rc: int, what: str) -> None:
+    """Raise for w4a8.c's return codes: -3 NaN / inf activations, -2 no memory, -1 refused."""
+    if rc == -3:
+        raise ValueError(NONFINITE_ACTIVATIONS)
+    if rc == -2:
+        raise MemoryError(f"{what} could not allocate its scratch")
+    if rc:
+        raise RuntimeError(f"{what} refused its arguments")
+
+
 def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 quantized per block of 32 columns as W4A8Weight.linear does, then
     dequantized: xq * sx in float32, equal to fewbits.quant.quantize(x, int8 group-32 absmax
@@ -931,12 +944,8 @@ def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, k, dtype=torch.float32)
     if m == 0:
         return out
-    rc = lib.fb_w4a8_dequantized_x(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, out.data_ptr())
-    if rc == -3:
-        raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
-    if rc:
-        raise MemoryError("fb_w4a8_dequantized_x could not allocate its scratch") if rc == -2 else RuntimeError(
-            "fb_w4a8_dequantized_x refused its arguments")
+    _w4a8_rc(lib.fb_w4a8_dequantized_x(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, out.data_ptr()),
+             "fb_w4a8_dequantized_x")
     return out
 
 
@@ -995,12 +1004,9 @@ class W4A8Weight:
         if m == 0 or self.n == 0:
             return y
         mins = self._mins.data_ptr() if self._mins is not None else None
-        rc = lib.fb_w4a8_matmul(xq.data_ptr(), sx.data_ptr(), m, self._codes.data_ptr(), self._scales.data_ptr(),
-                                self._s_kind, mins, self._m_kind, 1 if self.signed else 0, self.n, self.k,
-                                y.data_ptr(), 1 if force_scalar else 0)
-        if rc:
-            raise (MemoryError("fb_w4a8_matmul could not allocate its copy of x") if rc == -2
-                   else RuntimeError("fb_w4a8_matmul refused its arguments"))
+        _w4a8_rc(lib.fb_w4a8_matmul(xq.data_ptr(), sx.data_ptr(), m, self._codes.data_ptr(), self._scales.data_ptr(),
+                                    self._s_kind, mins, self._m_kind, 1 if self.signed else 0, self.n, self.k,
+                                    y.data_ptr(), 1 if force_scalar else 0), "fb_w4a8_matmul")
         return y
 
     def linear(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
@@ -1015,15 +1021,12 @@ class W4A8Weight:
         y = torch.empty(m, self.n, dtype=torch.float32)
         if m == 0 or self.n == 0:
             return y
-        rc = lib.fb_w4a8_linear(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, *self._args, y.data_ptr())
-        if rc:
-            if rc == -3:
-                raise ValueError("the activations contain NaN or inf, which dynamic int8 quantization cannot represent")
-            raise (MemoryError("fb_w4a8_linear could not allocate its copy of x") if rc == -2
-                   else RuntimeError("fb_w4a8_linear refused its arguments"))
+        _w4a8_rc(lib.fb_w4a8_linear(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, *self._args, y.data_ptr()),
+                 "fb_w4a8_linear")
         return y
 
 
+# --- rounding of float32 values (round32.c) ------------------------------------------------
 def _check_flat(x: torch.Tensor, out: torch.Tensor) -> None:
     for t in (x, out):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():

@@ -27,8 +27,8 @@ w8a8_fp8       E4M3 weights per channel + dynamic E4M3 activations per token (w8
 w4a8           int4 weights (or uint4 with a float minimum) in groups of 32 + dynamic int8
                activations in blocks of 32 (w4a8; llama.cpp's q4_0 x q8_0 kind), up to
                W4A8_MAX_BATCH rows: the activations quantized and the products of codes summed
-               exactly in int32 in one C call (csrc/w4a8.c, AVX512-VNNI), one float32 rescale
-               per 8 columns; on CPUs with that C kernel vectorized. Larger batches: the
+               exactly in int32 in one C call (csrc/w4a8.c: AVX512-VNNI or AVX2), one float32
+               rescale per 8 columns; on CPUs where that C kernel is vectorized. Larger batches: the
                activations quantized and dequantized the same way, then dequant's blocks (in
                bfloat16 where bf16_blocks, as for weight-only layers).
 bf16           bf16 plain cast: oneDNN's bfloat16 GEMM; bfloat16 activations.
@@ -267,7 +267,7 @@ class _RowDecoder:
         return self._finish(v, scales, zps, index)
 
 
-W4A8_MAX_BATCH = 8  # up to this many rows of x the w4a8 kernel; larger batches run dequant
+W4A8_MAX_BATCH = 8  # up to this many rows of x the w4a8 kernel; larger batches: dequant's blocks
 LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
 
 

@@ -192,7 +192,7 @@ FEWBITS_VARIANTS: dict[str, tuple[str | None, str | None]] = {
     "int8": ("int8", None),
     "int4 g128": ("int4", None),
     "int4 g32": ("int4_g32", None),
-    "w4a8": ("w4a8", None),                    # int4 g32 x int8 activations per block of 32
+    "w4a8": ("w4a8", None),                    # Q4_0's weights x int8 activations per block of 32
     "nf4": ("nf4", None),
     "mxfp4": ("mxfp4", None),
     "nvfp4": ("nvfp4", None),
