@@ -122,6 +122,14 @@ def test_a_model_changed_after_the_generator_was_built_is_refused(tiny):
     with pytest.raises(ValueError, match="model changed"):
         gen.generate(ids, NEW)
     q.model.layers[1].self_attn.q_proj.eval()
+    for change in (lambda: setattr(q.model.layers[0].mlp, "act_fn", torch.nn.GELU()),  # a module replaced
+                   lambda: setattr(q.model.layers[1].self_attn, "scaling", 0.5),        # a plain attribute
+                   lambda: setattr(q.config, "rms_norm_eps", 1e-3)):                    # the config
+        gen = CompiledGenerator(q, ids.shape[1] + NEW)
+        change()
+        with pytest.raises(ValueError, match="model changed"):
+            gen.generate(ids, NEW)
+    gen = CompiledGenerator(q, ids.shape[1] + NEW)
     layer = q.model.layers[0].mlp.up_proj
     layer.load_state_dict(layer.state_dict())  # the quantized weight rebuilt: a new kernel layout
     with pytest.raises(ValueError, match="model changed"):

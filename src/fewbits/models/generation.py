@@ -21,9 +21,10 @@ forward read -- about 1.2 ms per decode step on SmolLM2-135M at one thread, ~7% 
 token. `CompiledGenerator(..., guards="generate")` (the default, where torch has
 torch.compiler.skip_guard_on_all_nn_modules_unsafe) leaves the module guards out of dynamo's
 per-call check and checks the same things itself once per `generate()`: the model's
-fingerprint (every parameter and buffer's identity, dtype, device, shape and strides, every
-module's training flag and each QuantLinear's kernel) must equal the one taken when the
-generator was built, else `generate()` raises ValueError (build a new generator for a changed
+fingerprint (every parameter and buffer's identity, dtype, device, shape and strides; every
+module's identity, training flag, plain attributes and functions, and each QuantLinear's kernel;
+the model's config; about 5 ms on SmolLM2-135M, outside the timed phases) must equal the one
+taken when the generator was built, else `generate()` raises ValueError (build a new generator for a changed
 model) -- never a stale graph. Each such generator compiles a code object of its own, so no
 graph is shared between generators (the model's identity was one of the guards left out).
 `guards="dynamo"` keeps dynamo's checks per call.
@@ -119,15 +120,27 @@ def _module_guards_skippable() -> bool:
     return hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _attributes(m) -> tuple:
+    """A module's own plain attributes (numbers, strings, flags) by value and its functions by
+    identity: what a forward's control flow reads (head counts, scaling, an activation)."""
+    return tuple(sorted((k, v if isinstance(v, _PLAIN) else id(v)) for k, v in vars(m).items()
+                        if isinstance(v, _PLAIN) or (callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)))))
+
+
 def model_fingerprint(model) -> tuple:
     """What dynamo's module guards would check, taken once: every parameter and buffer (its
-    identity, dtype, device, shape, strides), every module's training flag, and the kernel and
-    weight of each fewbits QuantLinear (quantized weights are no parameters)."""
+    identity, dtype, device, shape, strides); every module (its identity, training flag, plain
+    attributes and functions, and for a fewbits QuantLinear its kernel and weight, which are no
+    parameters); the model's config (transformers' config, where there is one)."""
     tensors = tuple((name, id(t), t.dtype, t.device, tuple(t.shape), t.stride())
                     for name, t in (*model.named_parameters(), *model.named_buffers()))
-    modules = tuple((name, m.training, getattr(m, "kernel", None), id(getattr(m, "_qweight", None)))
-                    for name, m in model.named_modules())
-    return tensors, modules
+    modules = tuple((name, id(m), m.training, _attributes(m), getattr(m, "kernel", None),
+                     id(getattr(m, "_qweight", None))) for name, m in model.named_modules())
+    config = getattr(model, "config", None)
+    return tensors, modules, (repr(config.to_dict()) if hasattr(config, "to_dict") else None)
 
 
 def _static_cache(model, max_cache_len: int):
