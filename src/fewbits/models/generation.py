@@ -24,8 +24,8 @@ per-call check and checks the same things itself once per `generate()`: the mode
 fingerprint (every parameter and buffer's identity, dtype, device, shape and strides; every
 module's identity, training flag, plain attributes and functions, and each QuantLinear's kernel;
 the model's config; about 5 ms on SmolLM2-135M, outside the timed phases) must equal the one
-taken when the generator was built, else `generate()` raises ValueError (build a new generator for a changed
-model) -- never a stale graph. Each such generator compiles a code object of its own, so no
+taken when the generator was built, else `generate()` raises ValueError (build a new generator
+for a changed model) -- never a stale graph. Each such generator compiles a code object of its own, so no
 graph is shared between generators (the model's identity was one of the guards left out).
 `guards="dynamo"` keeps dynamo's checks per call.
 
