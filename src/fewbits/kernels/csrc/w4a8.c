@@ -403,6 +403,30 @@ int64_t fb_row_int8_scales(const float *x, int64_t m, int64_t k, int64_t ld, flo
 void fb_quantize_rows_int8(const float *x, int64_t m, int64_t k, int64_t ld, const float *recip,
                            int64_t recip_stride, uint8_t *q, int32_t offset);
 
+/* x's rows quantized per block of 32 columns: codes xq [M, K] and scales sx [M, K / 32] in one
+ * allocation (*xq; free it), or -2 when it cannot be had; else the count of NaN / inf values
+ * (then the codes mean nothing). */
+static int64_t quantize_blocks(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t **xq, float **sx) {
+    const int64_t blocks = K / 32;
+    float *scales = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
+    int8_t *codes = malloc((size_t)(M * K + 1));
+    if (!scales || !codes) {
+        free(scales);
+        free(codes);
+        return -2;
+    }
+    float *recip = scales + M * blocks;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, scales + m * blocks, recip + m * blocks);
+        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip + m * blocks, 1, (uint8_t *)(codes + m * K), 0);
+    }
+    *xq = codes;
+    *sx = scales;
+    return bad;
+}
+
 /* fb_w4a8_matmul on float32 activations x [M, K] (row stride ldx), quantized here per block of
  * 32 columns with float32 scales, exactly as fewbits.quant.quantize(x, int8 group-32 absmax
  * scheme) does. Returns as fb_w4a8_matmul, and -3 (nothing written) where x holds NaN or inf,
@@ -410,21 +434,11 @@ void fb_quantize_rows_int8(const float *x, int64_t m, int64_t k, int64_t ld, con
 int32_t fb_w4a8_linear(const float *x, int64_t ldx, int64_t M, const uint8_t *codes, const void *s, int32_t s_kind,
                        const void *mn, int32_t m_kind, int32_t is_signed, int64_t N, int64_t K, float *y) {
     if (M < 0 || K <= 0 || K % 32 || ldx < K) return -1;
-    const int64_t blocks = K / 32;
-    int8_t *xq = malloc((size_t)(M * K + 1));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
-    if (!xq || !sx) {
-        free(xq);
-        free(sx);
-        return -2;
-    }
-    float *recip = sx + M * blocks;
-    int64_t bad = 0;
-    for (int64_t m = 0; m < M; m++) {
-        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx + m * blocks, recip + m * blocks);
-        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip + m * blocks, 1, (uint8_t *)(xq + m * K), 0);
-    }
-    int32_t rc = bad ? -3 : fb_w4a8_matmul(xq, sx, M, codes, s, s_kind, mn, m_kind, is_signed, N, K, y, 0);
+    int8_t *xq;
+    float *sx;
+    const int64_t bad = quantize_blocks(x, ldx, M, K, &xq, &sx);
+    if (bad == -2) return -2;
+    const int32_t rc = bad ? -3 : fb_w4a8_matmul(xq, sx, M, codes, s, s_kind, mn, m_kind, is_signed, N, K, y, 0);
     free(xq);
     free(sx);
     return rc;
@@ -437,20 +451,10 @@ int32_t fb_w4a8_linear(const float *x, int64_t ldx, int64_t M, const uint8_t *co
 int32_t fb_w4a8_dequantized_x(const float *x, int64_t ldx, int64_t M, int64_t K, float *out) {
     if (M < 0 || K <= 0 || K % 32 || ldx < K) return -1;
     const int64_t blocks = K / 32;
-    int8_t *xq = malloc((size_t)(M * K + 1));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
-    if (!xq || !sx) {
-        free(xq);
-        free(sx);
-        return -2;
-    }
-    float *recip = sx + M * blocks;
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K >= (1 << 16))
-    for (int64_t m = 0; m < M; m++) {
-        bad += fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sx + m * blocks, recip + m * blocks);
-        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, recip + m * blocks, 1, (uint8_t *)(xq + m * K), 0);
-    }
+    int8_t *xq;
+    float *sx;
+    const int64_t bad = quantize_blocks(x, ldx, M, K, &xq, &sx);
+    if (bad == -2) return -2;
     if (!bad) {
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
         for (int64_t m = 0; m < M; m++)
