@@ -78,3 +78,13 @@ def test_encode_blocks_of_gptq_codes_equals_the_reference(type_name):
     assert np.array_equal(gb.encode_blocks(qt), gb._encode_blocks_reference(qt))
     back = gb.decode_blocks(gb.encode_blocks(qt), type_name, tuple(w.shape))
     assert torch.equal(back.dequantize(), qt.dequantize())
+
+
+def test_w4a8_weights_are_stored_as_q4_0():
+    """The activations' scheme is chosen when a layer runs, not stored: a w4a8 weight is GGUF
+    Q4_0, with Q4_0's bytes."""
+    w = torch.randn(8, 128)
+    assert gb.gguf_block_type("w4a8") == "Q4_0"
+    assert np.array_equal(gb.encode_blocks(quantize(w, "w4a8")), gb.encode_blocks(quantize(w, "q4_0")))
+    with pytest.raises(ValueError, match="no GGUF block format"):
+        gb.gguf_block_type("w8a8")

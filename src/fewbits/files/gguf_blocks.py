@@ -61,10 +61,11 @@ GGUF_BLOCK_TYPES = {
 
 def _stored_as(scheme: QuantScheme) -> QuantScheme | None:
     """The scheme with the fields that do not change what is stored (name, how the scales and codes
-    are chosen: scale_method, percentile, mode, seed) set to one value; None if that is no scheme."""
+    are chosen: scale_method, percentile, mode, seed; the activations' scheme, a choice made when
+    the layer runs: w4a8's weights are Q4_0) set to one value; None if that is no scheme."""
     try:
         return dataclasses.replace(scheme, name=None, scale_method="absmax", percentile=99.9,
-                                   mode="nearest_even", seed=0)
+                                   mode="nearest_even", seed=0, activations=None)
     except ValueError:
         return None
 
