@@ -752,3 +752,22 @@ def test_minilm_gguf_reader_level(tmp_path):
                                               for t in vocab]
     assert meta["tokenizer.ggml.bos_token_id"] == 101 and meta["tokenizer.ggml.seperator_token_id"] == 102
     assert meta["bert.pooling_type"] == 1 and meta["bert.attention.causal"] is False
+
+
+def test_a_w4a8_model_is_written_as_q4_0(tmp_path):
+    """w4a8's weights are Q4_0's; how its activations are quantized is the runtime's choice, which
+    GGUF does not store: the file holds Q4_0 tensors whose values are the weights' dequantize()."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    torch.manual_seed(0)
+    sd = transformers.LlamaForCausalLM(config).state_dict()
+    tensors = {k: (fb.quantize(v, "w4a8") if v.dim() == 2 and "embed" not in k and "lm_head" not in k else v)
+               for k, v in sd.items()}
+    path = tmp_path / "w4a8.gguf"
+    write_gguf(path, tensors, config)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["token_embd.weight"] == "F32"
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    values = gguf.quants.dequantize(down.data, down.tensor_type).reshape(tensors["model.layers.0.mlp.down_proj.weight"].shape)
+    assert np.array_equal(values, tensors["model.layers.0.mlp.down_proj.weight"].dequantize().numpy())
