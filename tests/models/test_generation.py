@@ -158,3 +158,65 @@ def test_dynamos_own_guards_on_request(tiny):
     assert torch.equal(gen.generate(ids, NEW).tokens, ref)
     with pytest.raises(ValueError, match="guards"):
         CompiledGenerator(model, ids.shape[1] + NEW, guards="none")
+
+
+def _hook(m):
+    m.model.norm.register_forward_hook(lambda mod, args, out: -out)
+
+
+def _class_swap(m):
+    class Negate(torch.nn.Module):
+        def forward(self, x):
+            return -4.0 * x
+
+    m.model.layers[0].mlp.act_fn.__class__ = Negate
+
+
+def _attn_impl(m):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def scaled(module, q, k, v, mask, **kw):
+        out, w = sdpa_attention_forward(module, q, k, v, mask, **kw)
+        return out * 5.0, w
+
+    AttentionInterface.register("fewbits_test_scaled", scaled)
+    m.set_attn_implementation("fewbits_test_scaled")  # config._attn_implementation: not in config.to_dict()
+
+
+@pytest.mark.xfail(strict=True, reason="model_fingerprint misses forward hooks, a module's class (or its class's "
+                                       "forward) and config._attn_implementation: "
+                                       "generate() runs the stale graph instead of refusing")
+@pytest.mark.parametrize("change", [_hook, _class_swap, _attn_impl, "class_forward"],
+                         ids=["forward_hook", "class_swap", "attn_implementation", "class_forward"])
+def test_a_changed_model_is_refused_or_runs_its_new_graph(tiny, change):
+    """Whatever changes the model's eager tokens after the generator was built must either be
+    refused (ValueError) or reach the compiled graph: never the old graph's tokens."""
+    import copy
+
+    from fewbits.models import generation
+    from transformers.models.llama import modeling_llama
+
+    if not generation._module_guards_skippable():
+        pytest.skip("this torch cannot leave dynamo's module guards out")
+    model, ids, ref = tiny
+    m = copy.deepcopy(model)
+    gen = CompiledGenerator(m, ids.shape[1] + NEW)
+    assert torch.equal(gen.generate(ids, NEW).tokens, ref)
+    orig = modeling_llama.LlamaMLP.forward
+    try:
+        if change == "class_forward":  # a class's forward patched (as kernel libraries do)
+            modeling_llama.LlamaMLP.forward = lambda self, x: 3.0 * orig(self, x)
+        else:
+            change(m)
+        want = greedy_generate(m, ids, NEW).tokens
+        assert not torch.equal(want, ref)  # the change matters
+        assert torch.equal(greedy_generate(m, ids, NEW, cache="static").tokens, want)
+        try:
+            got = gen.generate(ids, NEW).tokens
+        except ValueError as e:
+            assert "model changed" in str(e)
+        else:
+            assert torch.equal(got, want)
+    finally:
+        modeling_llama.LlamaMLP.forward = orig
