@@ -78,3 +78,21 @@ def test_export_is_refused_clearly():
     m = nn.Sequential(QuantLinear.from_linear(nn.Linear(64, 32), "int8"))
     with pytest.raises(Exception, match="torch.export of a QuantLinear is not supported"):
         torch.export.export(m, (torch.randn(2, 64),))
+
+
+@pytest.mark.xfail(strict=True, reason="fewbits::quant_linear is defined by torch.library.Library('fewbits', 'DEF'): "
+                                       "a second execution of modules.py (importlib.reload, IPython autoreload) raises "
+                                       "'Only a single TORCH_LIBRARY can be used to register the namespace fewbits'; "
+                                       "the custom_op decorator allowed it")
+def test_the_module_can_be_imported_twice():
+    import subprocess
+    import sys
+
+    code = ("import importlib, torch, fewbits.quant.modules as m\n"
+            "importlib.reload(m)\n"
+            "from torch import nn\n"
+            "layer = m.QuantLinear.from_linear(nn.Linear(64, 32), 'int4_g32')\n"
+            "x = torch.randn(2, 64)\n"
+            "assert torch.equal(m.quant_linear_op(x, layer._handle_tensor, 32), layer(x))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
