@@ -184,9 +184,6 @@ def _attn_impl(m):
     m.set_attn_implementation("fewbits_test_scaled")  # config._attn_implementation: not in config.to_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="model_fingerprint misses forward hooks, a module's class (or its class's "
-                                       "forward) and config._attn_implementation: "
-                                       "generate() runs the stale graph instead of refusing")
 @pytest.mark.parametrize("change", [_hook, _class_swap, _attn_impl, "class_forward"],
                          ids=["forward_hook", "class_swap", "attn_implementation", "class_forward"])
 def test_a_changed_model_is_refused_or_runs_its_new_graph(tiny, change):

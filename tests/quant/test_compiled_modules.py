@@ -80,10 +80,6 @@ def test_export_is_refused_clearly():
         torch.export.export(m, (torch.randn(2, 64),))
 
 
-@pytest.mark.xfail(strict=True, reason="fewbits::quant_linear is defined by torch.library.Library('fewbits', 'DEF'): "
-                                       "a second execution of modules.py (importlib.reload, IPython autoreload) raises "
-                                       "'Only a single TORCH_LIBRARY can be used to register the namespace fewbits'; "
-                                       "the custom_op decorator allowed it")
 def test_the_module_can_be_imported_twice():
     import subprocess
     import sys

@@ -17,17 +17,19 @@ step, `max_new_tokens` new tokens):
 
 Guards. Before each call of a compiled function dynamo checks its guards: for a model, the
 dtype, device, shape and strides of every parameter and buffer and the module attributes the
-forward read -- about 1.2 ms per decode step on SmolLM2-135M at one thread, ~7% of a w4a8
-token. `CompiledGenerator(..., guards="generate")` (the default, where torch has
+forward read -- about 1.2 ms per decode step on SmolLM2-135M at one thread, ~7% of a w4a8 token.
+`CompiledGenerator(..., guards="generate")` (the default, where torch has
 torch.compiler.skip_guard_on_all_nn_modules_unsafe) leaves the module guards out of dynamo's
-per-call check and checks the same things itself once per `generate()`: the model's
-fingerprint (every parameter and buffer's identity, dtype, device, shape and strides; every
-module's identity, training flag, plain attributes and functions, and each QuantLinear's kernel;
-the model's config; about 5 ms on SmolLM2-135M, outside the timed phases) must equal the one
-taken when the generator was built, else `generate()` raises ValueError (build a new generator
-for a changed model) -- never a stale graph. Each such generator compiles a code object of its own, so no
-graph is shared between generators (the model's identity was one of the guards left out).
-`guards="dynamo"` keeps dynamo's checks per call.
+per-call check and checks the same things itself once per `generate()`: the model's fingerprint
+(every parameter and buffer's identity, dtype, device, shape and strides; every module's
+identity, class and class forward, training flag, plain attributes and functions and forward
+hooks, and each QuantLinear's kernel; torch's global module hooks; the model's config and
+attention implementation; about 5 ms on SmolLM2-135M, outside the timed phases) must equal the
+one taken when the generator was built, else `generate()` raises ValueError (build a new
+generator for a changed model) rather than run a stale graph; the globals a forward reads keep
+dynamo's own guards. Each such generator compiles a code
+object of its own, so no graph is shared between generators (the model's identity was one of the
+guards left out). `guards="dynamo"` keeps dynamo's checks per call.
 
 Timing (the same definition as the benchmarks use for llama.cpp): `prefill_seconds` is the wall
 time of the prompt's forward and the choice of the first new token; `decode_seconds` the wall
@@ -130,17 +132,37 @@ def _attributes(m) -> tuple:
                         if isinstance(v, _PLAIN) or (callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)))))
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs")
+
+
+def _hooks(obj, names=_HOOK_DICTS) -> tuple:
+    """The hooks in obj's hook dicts (a module's, or torch.nn.modules.module's global ones), by
+    identity."""
+    return tuple((n, tuple((k, id(v)) for k, v in d.items())) for n in names
+                 if isinstance(d := getattr(obj, n, None), dict) and d)
+
+
 def model_fingerprint(model) -> tuple:
-    """What dynamo's module guards would check, taken once: every parameter and buffer (its
-    identity, dtype, device, shape, strides); every module (its identity, training flag, plain
-    attributes and functions, and for a fewbits QuantLinear its kernel and weight, which are no
-    parameters); the model's config (transformers' config, where there is one)."""
+    """What dynamo's module guards would check and more, taken once: every parameter and buffer
+    (its identity, dtype, device, shape, strides); every module (its identity, class and the
+    class's forward, training flag, plain attributes and functions, forward hooks, and for a
+    fewbits QuantLinear its kernel and weight, which are no parameters); torch's global module
+    hooks; the model's config (transformers' config where there is one, with its attention
+    implementation, which to_dict() leaves out)."""
+    from torch.nn.modules import module as torch_module
+
     tensors = tuple((name, id(t), t.dtype, t.device, tuple(t.shape), t.stride())
                     for name, t in (*model.named_parameters(), *model.named_buffers()))
-    modules = tuple((name, id(m), m.training, _attributes(m), getattr(m, "kernel", None),
-                     id(getattr(m, "_qweight", None))) for name, m in model.named_modules())
+    modules = tuple((name, id(m), type(m), id(getattr(type(m), "forward", None)), m.training, _attributes(m),
+                     _hooks(m), getattr(m, "kernel", None), id(getattr(m, "_qweight", None)))
+                    for name, m in model.named_modules())
     config = getattr(model, "config", None)
-    return tensors, modules, (repr(config.to_dict()) if hasattr(config, "to_dict") else None)
+    config_state = ((repr(config.to_dict()), getattr(config, "_attn_implementation", None))
+                    if hasattr(config, "to_dict") else None)
+    global_hooks = _hooks(torch_module, ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                         "_global_forward_hooks_always_called", "_global_module_registration_hooks"))
+    return tensors, modules, config_state, global_hooks
 
 
 def _static_cache(model, max_cache_len: int):

@@ -72,6 +72,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
+import types
 import weakref
 from collections.abc import Callable
 
@@ -1040,11 +1042,10 @@ _FORWARDS = {k: getattr(QuantLinear, f"_forward_{k}") for k in KERNELS}
 # The op is defined with torch.library.Library rather than the custom_op decorator: that one's
 # Python wrapper cost ~7 us per call (211 calls per SmolLM2 token), a plain kernel registration
 # ~2.5 us. One implementation for every device (CompositeExplicitAutograd: the op is never
-# differentiated, see QuantLinear.forward), a fake one for shapes.
-_OPS = torch.library.Library("fewbits", "DEF")
-_OPS.define("quant_linear(Tensor x, Tensor handle, int out_features) -> Tensor")
-
-
+# differentiated, see QuantLinear.forward), a fake one for shapes. A namespace is defined once
+# per process, so the registration lives in a module of its own in sys.modules and calls this
+# module's implementation through it: a second execution of this file (importlib.reload, IPython
+# autoreload) hands it its own implementation, with its own layer registry.
 def _quant_linear_impl(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
     """The forward of x by the QuantLinear whose handle `handle` holds (its out_features given
     for the output's shape), as one op: what compiled models call."""
@@ -1055,14 +1056,26 @@ def _quant_linear_impl(x: torch.Tensor, handle: torch.Tensor, out_features: int)
     return y.clone() if y.data_ptr() == x.data_ptr() else y  # an op's output never aliases its input
 
 
-_OPS.impl("quant_linear", _quant_linear_impl, "CompositeExplicitAutograd")
+def _op_registration():
+    name = "_fewbits_torch_ops"
+    reg = sys.modules.get(name)
+    if reg is None:
+        reg = types.ModuleType(name, "fewbits' torch.library registrations (once per process)")
+        reg.impl = None
+        reg.lib = torch.library.Library("fewbits", "DEF")
+        reg.lib.define("quant_linear(Tensor x, Tensor handle, int out_features) -> Tensor")
+        reg.lib.impl("quant_linear", lambda x, handle, out_features: reg.impl(x, handle, out_features),
+                     "CompositeExplicitAutograd")
+
+        @torch.library.register_fake("fewbits::quant_linear", lib=reg.lib)
+        def _(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], out_features)
+
+        sys.modules[name] = reg
+    return reg
 
 
-@torch.library.register_fake("fewbits::quant_linear", lib=_OPS)
-def _(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
+_op_registration().impl = _quant_linear_impl
 quant_linear_op = torch.ops.fewbits.quant_linear
 
 
