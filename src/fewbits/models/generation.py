@@ -27,9 +27,9 @@ hooks, and each QuantLinear's kernel; torch's global module hooks; the model's c
 attention implementation; about 5 ms on SmolLM2-135M, outside the timed phases) must equal the
 one taken when the generator was built, else `generate()` raises ValueError (build a new
 generator for a changed model) rather than run a stale graph; the globals a forward reads keep
-dynamo's own guards. Each such generator compiles a code
-object of its own, so no graph is shared between generators (the model's identity was one of the
-guards left out). `guards="dynamo"` keeps dynamo's checks per call.
+dynamo's own guards. Each such generator compiles a code object of its own, so no graph is
+shared between generators (the model's identity was one of the guards left out).
+`guards="dynamo"` keeps dynamo's checks per call.
 
 Timing (the same definition as the benchmarks use for llama.cpp): `prefill_seconds` is the wall
 time of the prompt's forward and the choice of the first new token; `decode_seconds` the wall
