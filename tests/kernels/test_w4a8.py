@@ -76,7 +76,7 @@ def _case(m, n, k, seed, signed=True, kind=torch.float32, with_mins=False):
     return xq, sx, codes, scales, mins
 
 
-SHAPES = [(1, 64, 576), (3, 70, 128), (1, 33, 32), (2, 16, 96), (5, 130, 1536), (1, 1, 160)]
+SHAPES = [(1, 64, 576), (3, 70, 128), (1, 33, 32), (2, 16, 96), (5, 130, 1536), (1, 1, 160), (8, 67, 224), (6, 40, 576)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

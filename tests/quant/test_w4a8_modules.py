@@ -59,7 +59,7 @@ def test_the_scheme():
 @needs_kernel
 @pytest.mark.parametrize("scheme", ["w4a8", FP32_A8, Q4_1_A8, BF16_A8],
                          ids=["int4 fp16", "int4 fp32", "q4_1 fp16 + min", "int4 bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, qm.W4A8_MAX_BATCH])
 @pytest.mark.parametrize("k", [576, 128, 32, 4096])
 def test_small_batches_are_the_reference_up_to_float32_rounding(scheme, rows, k):
     q = QuantLinear.from_linear(_linear(80, k, seed=rows), scheme)
@@ -103,7 +103,7 @@ def test_the_dequantized_activations_of_batches_are_quantizes():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [9, 64, 130])
+@pytest.mark.parametrize("rows", [qm.W4A8_MAX_BATCH + 1, 64, 130])
 def test_batches_run_dequants_blocks_on_the_quantized_activations(rows):
     q = QuantLinear.from_linear(_linear(96, 576, seed=rows), "w4a8")
     x = torch.randn(rows, 576)

@@ -269,7 +269,9 @@ class _RowDecoder:
         return self._finish(v, scales, zps, index)
 
 
-W4A8_MAX_BATCH = 8  # up to this many rows of x the w4a8 kernel; larger batches: dequant's blocks
+# up to this many rows of x the w4a8 kernel (4 rows per pass over the codes); larger batches:
+# dequant's blocks, faster from about 12-16 rows (1536 x 576 and 4096 x 4096 layers, 1 and 2 threads)
+W4A8_MAX_BATCH = 12
 LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
 
 

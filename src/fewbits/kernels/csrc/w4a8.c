@@ -165,53 +165,74 @@ static inline __m128 load4_full(const void *p, int32_t kind, int64_t b) {
     return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
 }
 
-/* one chunk: v its 64 code bytes (zeros past K), sb / mb the block parameters of its 4 blocks */
-static inline __m512 chunk_step(__m512 acc, __m512i v, __m128 s4, __m128 m4, int32_t is_signed, int has_min,
-                                const XRow *x, int64_t c) {
+/* one chunk's codes (u in bytes: low and high nibbles) and the parameters of its 4 blocks spread
+ * over the lanes: what every row of x reads */
+typedef struct {
+    __m512i lo, hi;
+    __m512 sb, mb;
+} Chunk;
+
+static inline Chunk chunk_decode(__m512i v, __m128 s4, __m128 m4, int32_t is_signed, int has_min) {
     const __m512i lo_mask = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     if (is_signed) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x88)); /* past K: u = 8 against xq = 0 */
-    const __m512i lo = _mm512_and_si512(v, lo_mask);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+    Chunk ch;
+    ch.lo = _mm512_and_si512(v, lo_mask);
+    ch.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+    ch.sb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    ch.mb = has_min ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(m4)) : _mm512_setzero_ps();
+    return ch;
+}
+
+/* one row of x against a decoded chunk c: the header's operations, in its order */
+static inline __m512 chunk_row(__m512 acc, const Chunk *ch, int32_t is_signed, int has_min, const XRow *x, int64_t c) {
     __m512i isum = is_signed ? _mm512_loadu_si512(x->neg8s + c * LANES) : _mm512_setzero_si512();
-    isum = _mm512_dpbusd_epi32(isum, lo, _mm512_loadu_si512(x->xe + c * 64));
-    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(x->xo + c * 64));
+    isum = _mm512_dpbusd_epi32(isum, ch->lo, _mm512_loadu_si512(x->xe + c * 64));
+    isum = _mm512_dpbusd_epi32(isum, ch->hi, _mm512_loadu_si512(x->xo + c * 64));
     const __m512 sxl = _mm512_loadu_ps(x->sx + c * LANES);
-    const __m512 sb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(sb, sxl), _mm512_cvtepi32_ps(isum)));
-    if (has_min) {
-        const __m512 mb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(m4));
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(mb, sxl), _mm512_loadu_ps(x->s + c * LANES)));
-    }
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(ch->sb, sxl), _mm512_cvtepi32_ps(isum)));
+    if (has_min)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(ch->mb, sxl), _mm512_loadu_ps(x->s + c * LANES)));
     return acc;
 }
 
-/* the parameter kinds, signedness and minimum are constants in each specialization below */
-static inline __attribute__((always_inline)) float dot_vnni_t(const uint8_t *row, const void *s, const void *mn,
-                                                              int32_t s_kind, int32_t m_kind, int32_t is_signed,
-                                                              int has_min, int64_t K, int64_t chunks, const XRow *x) {
+/* one weight row against MR rows of x (xs[0 .. MR)), each chunk decoded once for all of them;
+ * out[r * N] = the dot product with row r. The parameter kinds, signedness, minimum and MR are
+ * constants in each specialization below. */
+static inline __attribute__((always_inline)) void dot_vnni_t(const uint8_t *row, const void *s, const void *mn,
+                                                             int32_t s_kind, int32_t m_kind, int32_t is_signed,
+                                                             int has_min, int64_t K, int64_t chunks, const XRow *xs,
+                                                             const int MR, float *out, int64_t N) {
     const int64_t blocks = K / 32, full = K / CHUNK;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     const __m128 zero4 = _mm_setzero_ps();
     for (int64_t c = 0; c < full; c++) {
-        const __m512i v = _mm512_loadu_si512(row + c * 64);
-        acc = chunk_step(acc, v, load4_full(s, s_kind, 4 * c), has_min ? load4_full(mn, m_kind, 4 * c) : zero4,
-                         is_signed, has_min, x, c);
+        const Chunk ch = chunk_decode(_mm512_loadu_si512(row + c * 64), load4_full(s, s_kind, 4 * c),
+                                      has_min ? load4_full(mn, m_kind, 4 * c) : zero4, is_signed, has_min);
+        for (int r = 0; r < MR; r++) acc[r] = chunk_row(acc[r], &ch, is_signed, has_min, &xs[r], c);
     }
     if (full < chunks) { /* the last 32, 64 or 96 columns */
         const int64_t c = full;
         const int bytes = (int)((K - c * CHUNK) / 2), count = (int)(blocks - 4 * c);
-        const __m512i v = _mm512_maskz_loadu_epi8((((__mmask64)1 << bytes) - 1), row + c * 64);
-        acc = chunk_step(acc, v, load4(s, s_kind, 4 * c, count), has_min ? load4(mn, m_kind, 4 * c, count) : zero4,
-                         is_signed, has_min, x, c);
+        const Chunk ch = chunk_decode(_mm512_maskz_loadu_epi8((((__mmask64)1 << bytes) - 1), row + c * 64),
+                                      load4(s, s_kind, 4 * c, count),
+                                      has_min ? load4(mn, m_kind, 4 * c, count) : zero4, is_signed, has_min);
+        for (int r = 0; r < MR; r++) acc[r] = chunk_row(acc[r], &ch, is_signed, has_min, &xs[r], c);
     }
-    return reduce16(acc);
+    for (int r = 0; r < MR; r++) out[r * N] = reduce16(acc[r]);
 }
 
-#define DOT_VNNI(SK, MK, SG, HM) \
-    static float dot_vnni_##SK##_##MK##_##SG##_##HM(const uint8_t *row, const void *s, const void *mn, int64_t K, \
-                                                      int64_t chunks, const XRow *x) { \
-        return dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, x); \
+#define DOT_VNNI(SK, MK, SG, HM)                                                                              \
+    static void dot_vnni_##SK##_##MK##_##SG##_##HM(const uint8_t *row, const void *s, const void *mn, int64_t K, \
+                                                     int64_t chunks, const XRow *xs, int mr, float *out,       \
+                                                     int64_t N) {                                              \
+        switch (mr) {                                                                                         \
+        case 1: dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, xs, 1, out, N); break;                      \
+        case 2: dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, xs, 2, out, N); break;                      \
+        case 3: dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, xs, 3, out, N); break;                      \
+        default: dot_vnni_t(row, s, mn, SK, MK, SG, HM, K, chunks, xs, 4, out, N); break;                     \
+        }                                                                                                     \
     }
 DOT_VNNI(0, 0, 1, 0)
 DOT_VNNI(1, 0, 1, 0)
@@ -223,7 +244,9 @@ DOT_VNNI(0, 0, 0, 0)
 DOT_VNNI(1, 0, 0, 0)
 DOT_VNNI(2, 0, 0, 0)
 
-typedef float (*DotFn)(const uint8_t *, const void *, const void *, int64_t, int64_t, const XRow *);
+#define VNNI_ROWS 4 /* rows of x per pass over a weight row */
+typedef void (*DotFn)(const uint8_t *, const void *, const void *, int64_t, int64_t, const XRow *, int, float *,
+                      int64_t);
 
 /* the specialization for these arguments, or NULL (a mix of parameter kinds: the generic one) */
 static DotFn dot_vnni_for(int32_t s_kind, int32_t m_kind, int32_t is_signed, int has_min) {
@@ -244,7 +267,9 @@ static DotFn dot_vnni_for(int32_t s_kind, int32_t m_kind, int32_t is_signed, int
 
 static float dot_vnni(const uint8_t *row, const void *s, const void *mn, int32_t s_kind, int32_t m_kind,
                       int32_t is_signed, int64_t K, int64_t chunks, const XRow *x) {
-    return dot_vnni_t(row, s, mn, s_kind, m_kind, is_signed, mn != NULL, K, chunks, x);
+    float out;
+    dot_vnni_t(row, s, mn, s_kind, m_kind, is_signed, mn != NULL, K, chunks, x, 1, &out, 0);
+    return out;
 }
 #endif
 
@@ -327,7 +352,9 @@ static void prefetch_codes(const uint8_t *row, int64_t bytes) {
 #endif
 }
 
-/* y [M, N] float32 (row stride N): see the header. s_kind / m_kind: 0 float32, 1 float16,
+/* y [M, N] float32 (row stride N): see the header. The VNNI path takes VNNI_ROWS rows of x per
+ * pass over a weight row (each chunk of codes decoded once for them; the same operations per
+ * output as one row at a time). s_kind / m_kind: 0 float32, 1 float16,
  * 2 bfloat16; mn NULL for none; is_signed: the codes are two's complement int4 (value u - 8 after
  * the XOR), else uint4 (value u). force_scalar: the scalar path even where VNNI is built (tests).
  * Returns 0, -1 for a bad shape or parameter kind, -2 when x's prepared copy cannot be allocated. */
@@ -374,11 +401,17 @@ int32_t fb_w4a8_matmul(const int8_t *xq, const float *sx, int64_t M, const uint8
         const void *sn = s_kind == P_F32 ? (const void *)((const float *)s + po) : (const void *)((const uint16_t *)s + po);
         const void *mnn = !mn ? NULL : m_kind == P_F32 ? (const void *)((const float *)mn + po)
                                                         : (const void *)((const uint16_t *)mn + po);
+#ifdef W4_VNNI
+        if (vector && fast) { /* VNNI_ROWS rows of x per pass: each chunk of codes decoded once for them */
+            for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS)
+                fast(row, sn, mnn, K, chunks, &rows[m0], (int)(M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS), y + m0 * N + n, N);
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < M; m++) {
 #ifdef W4_VNNI
             if (vector) {
-                y[m * N + n] = fast ? fast(row, sn, mnn, K, chunks, &rows[m])
-                                    : dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                y[m * N + n] = dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
                 continue;
             }
 #endif
