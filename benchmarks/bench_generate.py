@@ -18,8 +18,8 @@ no stop at EOS), batch 1.
 Variants (one row each, every row in the same run; --variants picks):
 - transformers eager, the model as loaded: fp32, bf16 (model.to(bfloat16));
 - fewbits: fb.quantize_model(fp32 model, scheme) with scheme int8 (weight-only, per channel),
-  w8a8 (int8 weights + dynamic per-token int8 activations), int4 (g128), w4a8 (int4 g32 weights
-  + dynamic int8 activations in blocks of 32: llama.cpp's q4_0 x q8_0 arithmetic), nf4 (g64). The tied
+  w8a8 (int8 weights + dynamic per-token int8 activations), int4 (g128), w4a8 (Q4_0's weights +
+  dynamic int8 activations in blocks of 32: llama.cpp's q4_0 x q8_0 arithmetic), nf4 (g64). The tied
   lm_head is quantized too (tied="untie", as llama.cpp quantizes its output matrix; the
   embedding lookup stays float); "int4-head32" keeps it in fp32 (fewbits' default, tied="keep");
 - bitsandbytes through transformers' BitsAndBytesConfig: bnb-nf4 (4-bit NF4, compute dtype

@@ -765,7 +765,7 @@ def q8_bf16(lib: ctypes.CDLL, x: torch.Tensor, contiguous: bool = True,
             seed: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and float32 scales of a bfloat16 matrix x [m, k] quantized along its rows
     (kernels.int8.quantize_rows_int8's arithmetic, nonfinite="keep"; with `seed`, stochastic
-    rounding as kernels.int8.stochastic_codes defines it). x may be a transposed view
+    rounding as kernels.int8.quantize_rows_int8(seed=...) defines it). x may be a transposed view
     (x.stride(0) == 1): its columns in memory are then the lines quantized. The codes come back
     contiguous, or with contiguous=False possibly as the transpose of a contiguous [k, m] (what
     the AMX GEMM packs directly)."""
@@ -932,6 +932,15 @@ def _w4a8_rc(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} refused its arguments")
 
 
+def _w4a8_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """(x, its row stride) for w4a8.c, which reads rows of k values at that stride: broadcast or
+    overlapping rows copied dense; a single row's stride is k, whatever torch says."""
+    m = x.shape[0]
+    if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
+        x = x.contiguous()
+    return x, (x.stride(0) if m > 1 else k)
+
+
 def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 quantized per block of 32 columns as W4A8Weight.linear does, then
     dequantized: xq * sx in float32, equal to fewbits.quant.quantize(x, int8 group-32 absmax
@@ -939,13 +948,11 @@ def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32 or x.shape[1] == 0 or x.device.type != "cpu":
         raise ValueError(f"x must be CPU float32 [M, K] with K a positive multiple of 32, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
-    if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
-        x = x.contiguous()
+    x, ldx = _w4a8_rows(x, k)
     out = torch.empty(m, k, dtype=torch.float32)
     if m == 0:
         return out
-    _w4a8_rc(lib.fb_w4a8_dequantized_x(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, out.data_ptr()),
-             "fb_w4a8_dequantized_x")
+    _w4a8_rc(lib.fb_w4a8_dequantized_x(x.data_ptr(), ldx, m, k, out.data_ptr()), "fb_w4a8_dequantized_x")
     return out
 
 
@@ -1016,13 +1023,11 @@ class W4A8Weight:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be CPU float32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
-        if x.stride(1) != 1 or (m > 1 and x.stride(0) < self.k):  # broadcast or overlapping rows: a dense copy
-            x = x.contiguous()
+        x, ldx = _w4a8_rows(x, self.k)
         y = torch.empty(m, self.n, dtype=torch.float32)
         if m == 0 or self.n == 0:
             return y
-        _w4a8_rc(lib.fb_w4a8_linear(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, *self._args, y.data_ptr()),
-                 "fb_w4a8_linear")
+        _w4a8_rc(lib.fb_w4a8_linear(x.data_ptr(), ldx, m, *self._args, y.data_ptr()), "fb_w4a8_linear")
         return y
 
 

@@ -45,6 +45,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from ._deps import TRANSFORMERS_HINT, require_modules
 
@@ -150,8 +151,6 @@ def model_fingerprint(model) -> tuple:
     fewbits QuantLinear its kernel and weight, which are no parameters); torch's global module
     hooks; the model's config (transformers' config where there is one, with its attention
     implementation, which to_dict() leaves out)."""
-    from torch.nn.modules import module as torch_module
-
     tensors = tuple((name, id(t), t.dtype, t.device, tuple(t.shape), t.stride())
                     for name, t in (*model.named_parameters(), *model.named_buffers()))
     modules = tuple((name, id(m), type(m), id(getattr(type(m), "forward", None)), m.training, _attributes(m),

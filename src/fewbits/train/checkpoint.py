@@ -144,7 +144,7 @@ def check_engine_state(engine, state, path=None) -> None:
         fail(f"checkpoint keys: missing {missing}, unexpected {unexpected}")
     policy = state["policy"]
     if isinstance(policy, dict):  # written before the policy had these fields: their defaults
-        policy = {**{k: v for k, v in _LATER_POLICY_FIELDS.items()}, **policy}
+        policy = {**_LATER_POLICY_FIELDS, **policy}
     if policy != engine.policy.to_dict():
         name = policy.get("name") if isinstance(policy, dict) else policy
         fail(f"checkpoint was written under policy {name!r}, this engine runs {engine.policy.name!r} "
