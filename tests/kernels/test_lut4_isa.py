@@ -127,3 +127,65 @@ def test_parameters_stored_in_16_bits_are_read_exactly(lib, dtype):
     assert torch.equal(w.decode(lib, 0, n).view(torch.int32), ref.view(torch.int32))
     x = torch.randn(3, row_len, generator=g)
     torch.testing.assert_close(w.matmul(lib, x), x @ ref.t(), rtol=1e-5, atol=1e-4)
+
+
+ONE_ROW_CASES = [  # (row_len, group): with AVX-512 one row of x takes lut4.c's one_row, 128 columns a
+    # chunk; row_len % 128 of 32, 64 or 96 is a last partial chunk; groups of 16-64 sum per 8 columns
+    # then scale, 128 and more look up the scaled table, 48 keeps the two-nibble steps
+    (32, 16), (64, 16), (96, 16), (128, 16), (160, 16), (224, 16), (576, 16), (1536, 16),
+    (32, 32), (96, 32), (128, 32), (576, 32), (64, 64), (192, 64), (576, 64),
+    (128, 128), (1536, 128), (512, 256), (96, 48)]
+
+
+def _one_row_bound(x: torch.Tensor, w: torch.Tensor, row_len: int) -> torch.Tensor:
+    return row_len * 2.0 ** -24 * (x.abs().double() @ w.abs().t()) + 1e-30
+
+
+@pytest.mark.parametrize("row_len,group", ONE_ROW_CASES)
+def test_one_row_is_the_product_with_the_decoded_weight(lib, row_len, group):
+    """One row of x (generation's decode step): within float32 summation error of x @ W.T for the
+    decoded weight, x narrower than the rows too (its padding read as zero), an unused NaN code,
+    float32 scales and MX / NVFP4 byte-coded scales; and within the bounds of the multi-row path's
+    first row."""
+    g = torch.Generator().manual_seed(row_len * 7 + group)
+    n = 67  # more than the 64 rows from which the rows are shared out over threads
+    table = torch.randn(16, generator=g)
+    table[11] = float("nan")  # never used: the codes below avoid 11
+    nib = torch.randint(0, 15, (n, row_len), generator=g)
+    nib[nib == 11] = 15
+    codes = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
+    scale_codes = torch.randint(0, 256, (n, row_len // group), generator=g, dtype=torch.uint8)
+    scale_table = torch.rand(256, generator=g) + 0.25
+    plain = torch.rand(n, row_len // group, generator=g) + 0.5
+    for scales, s in ((plain, plain), ((scale_codes, scale_table, 0.375), scale_table[scale_codes.long()] * 0.375)):
+        w = (table[nib] * s.repeat_interleave(group, dim=1)).double()
+        weight = native.Lut4Weight(codes, scales, table, n, row_len, group)
+        for k in (row_len, row_len - 3, 1):
+            x = torch.randn(1, k, generator=g)
+            y = weight.matmul(lib, x)
+            ref = x.double() @ w[:, :k].t()
+            bound = _one_row_bound(x, w[:, :k], row_len)
+            assert bool(((y.double() - ref).abs() <= bound).all()), (k, (y.double() - ref).abs().max())
+            two = weight.matmul(lib, torch.cat([x, x]))  # two rows: the two-nibble steps
+            assert bool(((y.double() - two[:1].double()).abs() <= 2 * bound).all()), k
+        assert weight.matmul(lib, torch.zeros(1, row_len)).abs().sum() == 0
+
+
+@pytest.mark.parametrize("group", [16, 128])
+def test_one_row_with_zero_points_and_minimums(lib, group):
+    """Zero points and minimums: groups of 128 take one_row's scaled table, groups of 16 the
+    two-nibble steps; both within float32 summation error of the decoded weight's product."""
+    g = torch.Generator().manual_seed(group)
+    n, row_len = 9, 384
+    table = torch.arange(16, dtype=torch.float32)
+    codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+    groups = row_len // group
+    scales = torch.rand(n, groups, generator=g) + 0.5
+    zps = torch.randint(0, 16, (n, groups), generator=g).to(torch.float32)
+    mins = torch.randn(n, groups, generator=g)
+    weight = native.Lut4Weight(codes, scales, table, n, row_len, group, zero_points=zps, minimums=mins)
+    rep = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
+    w = (((table[_nibbles(codes, n, row_len)] - rep(zps)) * rep(scales)) + rep(mins)).double()
+    x = torch.randn(1, row_len, generator=g)
+    y = weight.matmul(lib, x)
+    assert bool(((y.double() - x.double() @ w.t()).abs() <= _one_row_bound(x, w, row_len)).all())

@@ -38,7 +38,9 @@ dequant        everything else (nf4, int4, q4_0, q4_1, fp8, mx*, nvfp4, int2/3, 
                weight exists. 4-bit schemes with per-group parameters use C kernels where a C
                compiler is there (fewbits.kernels.native, csrc/lut4.c; the same float32
                arithmetic): up to LUT4_MAX_BATCH rows a fused matmul that decodes the codes in
-               registers (float32 products and sums), larger batches blocks decoded by C. Larger
+               registers (float32 products and sums; for one row on AVX-512 with groups of 16 to
+               64, table values times x summed per 8 columns of a group, then times the scale),
+               larger batches blocks decoded by C. Larger
                float32 batches on CPUs with hardware bf16 (bf16_blocks) multiply
                bf16(dequantize()) blocks (round to nearest even) with bf16 activations in
                oneDNN's bf16 GEMM, float32 accumulation, the result rounded to bf16.

@@ -17,6 +17,12 @@
  * products with x accumulate in float32 with fused multiply-adds, in an order of their own, as
  * any GEMM's (it depends on the vector width: 16 lanes with AVX-512, 8 with AVX2, 1 otherwise).
  *
+ * One row of x with AVX-512 (generation's decode step) takes a path of its own (one_row below):
+ * the codes read 128 weights at a time with no widening, and for groups of 16, 32 or 64 without
+ * zero points or minimums (NVFP4, MX, NF4, Q4_0) table value times x summed over each 8 columns
+ * of a group, then multiplied by the group's scale once: the same sum up to float32 rounding,
+ * within the same bound; groups of 128 or more look up the scaled table, as everywhere else.
+ *
  * Three builds of the same loops, chosen by the compiler's target (-march=native):
  *   AVX-512F   a step is 16 code bytes = 32 weights; widening is vpmovzxbd, the table lookup one
  *              vpermps of a 16-float register.
@@ -281,12 +287,39 @@ static inline Table table_for(Table t, RowParams rp, int64_t g) {
             hi = f_add(hi, m_);                                                                  \
         }                                                                                        \
     }
+/* NVFP4's groups of 16 with AVX-512 (no zero points, no minimums): a step's two groups' scales
+ * are one vector (the first 16 weights' scale in lanes 0-7, the second's in 8-15: the order of
+ * lo and hi), read from the row's scales as the steps walk them, without a division */
+#if W == 16
+#define G16_SCALES(p) _mm512_mask_broadcastss_ps(_mm512_set1_ps((p)[0]), 0xFF00, _mm_load_ss((p) + 1))
+#define DECODE_G16(j, p)                                                                          \
+    F lo, hi;                                                                                    \
+    decode_step(row_ + (j), table_, &lo, &hi);                                                   \
+    {                                                                                            \
+        const F sv_ = G16_SCALES(p);                                                             \
+        lo = f_mul(lo, sv_);                                                                     \
+        hi = f_mul(hi, sv_);                                                                     \
+    }
+#define G16_BRANCH(STEP_BODY)                                                                    \
+    if (group_ == 16 && !rp_.z && !rp_.m) {                                                      \
+        const float *sp_ = rp_.s;                                                                \
+        int64_t j = 0;                                                                           \
+        for (; j + 2 * W <= half_; j += 2 * W, sp_ += 4) {                                       \
+            { DECODE_G16(j, sp_) STEP_BODY(0, j) }                                               \
+            { DECODE_G16(j + W, sp_ + 2) STEP_BODY(1, j + W) }                                   \
+        }                                                                                        \
+        if (j < half_) { DECODE_G16(j, sp_) STEP_BODY(0, j) }                                    \
+    } else
+#else
+#define G16_BRANCH(STEP_BODY)
+#endif
 #define FOR_EACH_STEP(row, rp, table, half, group, STEP_BODY)                                     \
     do {                                                                                         \
         const uint8_t *row_ = (row);                                                             \
         const RowParams rp_ = (rp);                                                              \
         const Table table_ = (table);                                                            \
         const int64_t half_ = (half), group_ = (group), bytes_ = group_ / 2;                     \
+        G16_BRANCH(STEP_BODY)                                                                    \
         if (group_ % (2 * STEP) == 0) { /* an even number of steps per group */                 \
             for (int64_t j0 = 0, g = 0; j0 < half_; j0 += bytes_, g++) {                         \
                 const Table ts = table_for(table_, rp_, g);                                      \
@@ -432,7 +465,20 @@ static inline const float *param_row(const void *p, int32_t kind, int64_t n, int
 static inline RowParams row_params(const Params *P, int64_t n, int64_t groups, float *bs, float *bz, float *bm) {
     RowParams rp;
     if (P->s_codes) {
-        for (int64_t g = 0; g < groups; g++) bs[g] = P->s_table[P->s_codes[n * groups + g]] * P->s_mul;
+        const uint8_t *c = P->s_codes + n * groups;
+        int64_t g = 0;
+#if defined(__AVX512F__) /* the same lookups and float32 products, 16 (8) at a time */
+        for (; g + 16 <= groups; g += 16) {
+            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + g)));
+            _mm512_storeu_ps(bs + g, _mm512_mul_ps(_mm512_i32gather_ps(i, P->s_table, 4), _mm512_set1_ps(P->s_mul)));
+        }
+#elif defined(__AVX2__)
+        for (; g + 8 <= groups; g += 8) {
+            const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + g)));
+            _mm256_storeu_ps(bs + g, _mm256_mul_ps(_mm256_i32gather_ps(P->s_table, i, 4), _mm256_set1_ps(P->s_mul)));
+        }
+#endif
+        for (; g < groups; g++) bs[g] = P->s_table[c[g]] * P->s_mul;
         rp.s = bs;
     } else {
         rp.s = param_row(P->s, P->s_kind, n, groups, bs);
@@ -454,6 +500,103 @@ static int params_ok(const Params *P) {
     return kinds_ok && (P->s || (P->s_codes && P->s_table));
 }
 
+#if W == 16
+/* One row of x with AVX-512 (the decode step of generation): the codes are read 64 bytes (128
+ * weights, a "chunk") at a time as 16 dwords, lane l holding the 8 nibbles of k = 8l .. 8l + 7;
+ * nibble i is looked up after i shifts by 4 (vpermps reads an index's low 4 bits), so a chunk
+ * costs 7 shifts and 8 lookups and no widening (the two-nibble step above: 4 widenings, 4 shifts,
+ * 8 lookups), and x is laid out to match (x8: per chunk 8 vectors, vector i lane l =
+ * x[128c + 8l + i], zero past kx and K).
+ * Groups of a multiple of 128: a chunk lies in one group, whose scaled table is looked up: the
+ * weights are dequantize()'s, as in the steps above.
+ * Groups of 16, 32 or 64 (NVFP4, MX, NF4), without zero points or minimums: a lane's 8 weights
+ * lie in one group, but a chunk's lanes in 8, 4 or 2; the table values times x are summed per
+ * chunk and lane in float32 and multiplied by the lane's scale once (where the steps multiply
+ * every weight by it): the same sum up to float32 rounding (a product per lane and chunk instead
+ * of one per weight), within the fused matmul's bound, for 2 multiplications per chunk instead of 8.
+ * K % 128 (32, 64 or 96 columns) is a last chunk whose lanes past K are masked to zero. */
+static int one_row_path(int64_t K, int64_t group, const Params *P) {
+    return group % 128 == 0 || ((group == 16 || group == 32 || group == 64) && !P->z && !P->m);
+}
+/* x8 [chunks * 128] from x [kx] (kx <= K) */
+static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
+    const int64_t chunks = (K + 127) / 128;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int i = 0; i < 8; i++)
+            for (int l = 0; l < 16; l++) {
+                const int64_t k = 128 * c + 8 * l + i;
+                x8[128 * c + 16 * i + l] = k < kx ? x[k] : 0.0f;
+            }
+}
+/* nibble i of each lane of v looked up in t, lanes off in `lanes` zero */
+#define NIBBLE(i, v, t, lanes) _mm512_maskz_permutexvar_ps((lanes), (i) ? _mm512_srli_epi32((v), 4 * (i)) : (v), (t))
+/* sum over a chunk of table value times x, per lane, in two halves (p0: nibbles 0, 2, 4, 6) */
+#define CHUNK_SUMS(v, xc, t, lanes, p0, p1)                                                       \
+    F p0 = f_mul(NIBBLE(0, v, t, lanes), f_load(xc));                                            \
+    F p1 = f_mul(NIBBLE(1, v, t, lanes), f_load((xc) + 16));                                     \
+    p0 = f_fma(NIBBLE(2, v, t, lanes), f_load((xc) + 32), p0);                                   \
+    p1 = f_fma(NIBBLE(3, v, t, lanes), f_load((xc) + 48), p1);                                   \
+    p0 = f_fma(NIBBLE(4, v, t, lanes), f_load((xc) + 64), p0);                                   \
+    p1 = f_fma(NIBBLE(5, v, t, lanes), f_load((xc) + 80), p1);                                   \
+    p0 = f_fma(NIBBLE(6, v, t, lanes), f_load((xc) + 96), p0);                                   \
+    p1 = f_fma(NIBBLE(7, v, t, lanes), f_load((xc) + 112), p1);
+/* the codes `ahead` bytes further on (a few rows ahead), one line per chunk */
+#define PREFETCH_CHUNK(p, ahead) __builtin_prefetch((const char *)(p) + (ahead))
+static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table table, int64_t K, int64_t group,
+                     int64_t ahead) {
+    const int64_t full = K / 128, rem = K % 128;
+    F a0 = f_zero(), a1 = f_zero(), a2 = f_zero(), a3 = f_zero();
+    if (group % 128 == 0) { /* rem == 0: K is a multiple of the group */
+        const int64_t per = group / 128;
+        for (int64_t c0 = 0, g = 0; c0 < full; c0 += per, g++) {
+            const Table ts = table_for(table, rp, g);
+            for (int64_t c = c0; c < c0 + per; c++) {
+                const uint8_t *p = row + 64 * c;
+                PREFETCH_CHUNK(p, ahead);
+                const __m512i v = _mm512_loadu_si512((const void *)p);
+                const float *xc = x8 + 128 * c;
+                a0 = f_fma(NIBBLE(0, v, ts.t, 0xFFFF), f_load(xc), a0);
+                a1 = f_fma(NIBBLE(1, v, ts.t, 0xFFFF), f_load(xc + 16), a1);
+                a2 = f_fma(NIBBLE(2, v, ts.t, 0xFFFF), f_load(xc + 32), a2);
+                a3 = f_fma(NIBBLE(3, v, ts.t, 0xFFFF), f_load(xc + 48), a3);
+                a0 = f_fma(NIBBLE(4, v, ts.t, 0xFFFF), f_load(xc + 64), a0);
+                a1 = f_fma(NIBBLE(5, v, ts.t, 0xFFFF), f_load(xc + 80), a1);
+                a2 = f_fma(NIBBLE(6, v, ts.t, 0xFFFF), f_load(xc + 96), a2);
+                a3 = f_fma(NIBBLE(7, v, ts.t, 0xFFFF), f_load(xc + 112), a3);
+            }
+        }
+        return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
+    }
+    /* lane l's group within a chunk: l / (group / 8); a chunk's scales: per_chunk of them */
+    const int shift = group == 16 ? 1 : group == 32 ? 2 : 3;
+    const __m512i lane_group = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift);
+    const int64_t per_chunk = 128 / group;
+    const __mmask16 chunk_groups = (__mmask16)((1u << per_chunk) - 1);
+#define SCALED_CHUNK(c, A, B, lanes, groups)                                                      \
+    {                                                                                            \
+        const uint8_t *p = row + 64 * (c);                                                       \
+        PREFETCH_CHUNK(p, ahead);                                                                \
+        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        CHUNK_SUMS(v, x8 + 128 * (c), table.t, (lanes), p0, p1)                                  \
+        const F sv = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((groups), rp.s + (c) * per_chunk)); \
+        A = f_fma(p0, sv, A);                                                                    \
+        B = f_fma(p1, sv, B);                                                                    \
+    }
+    int64_t c = 0;
+    for (; c + 2 <= full; c += 2) {
+        SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups)
+        SCALED_CHUNK(c + 1, a2, a3, 0xFFFF, chunk_groups)
+    }
+    if (c < full) { SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups) c++; }
+    if (rem) { /* the last chunk's lanes from rem / 8 on are past K: zero (as are their x) */
+        const __mmask16 lanes = (__mmask16)((1u << (rem / 8)) - 1), groups = (__mmask16)((1u << (rem / group)) - 1);
+        SCALED_CHUNK(c, a2, a3, lanes, groups)
+    }
+#undef SCALED_CHUNK
+    return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
+}
+#endif
+
 /* y [M, N] (row-major) = x @ W.T for x [M, kx] float32 with row stride x_stride, kx <= K (the
  * columns from kx on are read as zero).
  * codes: [N, K/2] bytes; table: 16 floats; group a multiple of 16; P: the per-group parameters.
@@ -466,7 +609,7 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
     const Table table = table_load(table16);
     const int64_t half = K / 2, groups = K / group;
     const int64_t rows = M < MAX_M ? M : MAX_M;
-    float *split = malloc(sizeof(float) * (size_t)(2 * rows * half + 1));
+    float *split = malloc(sizeof(float) * (size_t)(2 * rows * half + 128)); /* the one-row layout: up to K + 96 */
     /* each thread's row of converted parameters (on the heap: rows may have millions of groups) */
     float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
     if (!split || !scratch) {
@@ -474,6 +617,20 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
         free(scratch);
         return -2;
     }
+#if W == 16
+    if (M == 1 && one_row_path(K, group, P)) {
+        one_row_layout(x, kx, K, split); /* split holds K + 1 floats, x8 (K rounded up to 128) at most K + 96 */
+#pragma omp parallel for schedule(static) if (N >= 64)
+        for (int64_t n = 0; n < N; n++) {
+            float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
+            const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
+            /* each chunk asks for its line PREFETCH_ROWS rows on (none past the last row) */
+            const int64_t ahead = n + PREFETCH_ROWS < N ? PREFETCH_ROWS * half : 0;
+            y[n] = one_row(split, codes + n * half, rp, table, K, group, ahead);
+        }
+        M = 0; /* done */
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         const int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
         float *xe = split, *xo = split + mr * half;
