@@ -508,6 +508,8 @@ def declare_lut4(lib: ctypes.CDLL) -> None:
     lib.fb_lut4_matmul.restype = i32
     lib.fb_lut4_decode.argtypes = [p, params, p, i64, i64, i64, i64, p, i32]
     lib.fb_lut4_decode.restype = i32
+    lib.fb_lut4_row.argtypes = [p, p, p]
+    lib.fb_lut4_row.restype = i32
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -808,6 +810,19 @@ class _Lut4Params(ctypes.Structure):
                 ("s_codes", ctypes.c_void_p), ("s_table", ctypes.c_void_p), ("s_mul", ctypes.c_float)]
 
 
+def lut4_rc(rc: int) -> None:
+    """Raise for a non-zero return code of fb_lut4_matmul / fb_lut4_row."""
+    if rc:
+        raise (MemoryError("fb_lut4_matmul could not allocate its copy of x or its scratch") if rc == -2
+               else RuntimeError("fb_lut4_matmul refused its arguments"))
+
+
+class _Lut4Row(ctypes.Structure):
+    """lut4.c's Lut4Row: a weight's fixed arguments of fb_lut4_matmul for one row of x."""
+    _fields_ = [("codes", ctypes.c_void_p), ("P", ctypes.c_void_p), ("table", ctypes.c_void_p),
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("group", ctypes.c_int64), ("kx", ctypes.c_int64)]
+
+
 _PARAM_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # lut4.c's P_F32, P_F16, P_BF16
 
 
@@ -888,12 +903,20 @@ class Lut4Weight:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
-        rc = lib.fb_lut4_matmul(x.data_ptr(), x.stride(0), x.shape[1], self._codes.data_ptr(), self._params_ref,
-                                self._table.data_ptr(), m, self.n, self.row_len, self.group, y.data_ptr())
-        if rc:
-            raise (MemoryError("fb_lut4_matmul could not allocate its copy of x or its scratch") if rc == -2
-                   else RuntimeError("fb_lut4_matmul refused its arguments"))
+        lut4_rc(lib.fb_lut4_matmul(x.data_ptr(), x.stride(0), x.shape[1], self._codes.data_ptr(), self._params_ref,
+                                   self._table.data_ptr(), m, self.n, self.row_len, self.group, y.data_ptr()))
         return y
+
+    def row_call(self, kx: int) -> int:
+        """The address of this weight's arguments for lut4.c's fb_lut4_row(address, x, y): y [n] =
+        x [kx] @ W.T for one contiguous float32 row x, what matmul() computes for it, bit for bit,
+        in one C call of three arguments. Valid while this weight lives."""
+        if not 0 <= kx <= self.row_len:
+            raise ValueError(f"kx must be in [0, {self.row_len}], got {kx}")
+        r = _Lut4Row(self._codes.data_ptr(), ctypes.addressof(self._params), self._table.data_ptr(),
+                     self.n, self.row_len, self.group, int(kx))
+        self._row_args = getattr(self, "_row_args", []) + [r]
+        return ctypes.addressof(r)
 
     def decode(self, lib: ctypes.CDLL, r0: int, r1: int, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -616,6 +616,19 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._lut4w = None
         self._w4a8w = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
+        self._row = self._row_path(kernel)
+
+    def _row_path(self, kernel: str):
+        """(fb_lut4_row's argument address, output shapes by input rank) where one float32 row
+        on the CPU runs the dequant kernel's fused 4-bit C matmul of a weight held prepared,
+        else None. forward() then makes that one C call itself (QuantLinear.forward's
+        general path costs ~10 us of Python per call, more than a small layer's row):
+        the same call with the same arguments, so the same bits."""
+        if (kernel not in ("dequant", "dequant_fp32") or self._lut4w is None
+                or self._qweight.scheme.activations is not None or self.out_features == 0):
+            return None
+        shapes = tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5))
+        return self._lut4w.row_call(self.in_features), shapes
 
     def __getstate__(self):
         # a copy or pickle holds the plain QuantizedTensor; the kernel layout is rebuilt
@@ -625,6 +638,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state.pop("_decoder", None)
         state.pop("_lut4w", None)
         state.pop("_w4a8w", None)
+        state.pop("_row", None)
         return state
 
     def __setstate__(self, state):
@@ -784,6 +798,16 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))):
                 # under torch.compile the layer is one opaque op: no graph break around it
                 return quant_linear_op(x, self._handle_tensor, self.out_features)
+            return self._forward_eager(x)
+        row = self._row
+        if (row is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu
+                and 1 <= x.dim() <= 4 and x.numel() == self.in_features and x.shape[-1] == self.in_features
+                and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
+            lib = native.library()  # None inside native.turned_off()
+            if lib is not None:
+                y = torch.empty(row[1][x.dim() - 1])
+                native.lut4_rc(lib.fb_lut4_row(row[0], x.data_ptr(), y.data_ptr()))
+                return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
         return self._forward_eager(x)
 
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:

@@ -518,9 +518,10 @@ static int params_ok(const Params *P) {
 static int one_row_path(int64_t K, int64_t group, const Params *P) {
     return group % 128 == 0 || ((group == 16 || group == 32 || group == 64) && !P->z && !P->m);
 }
-/* x8 [chunks * 128] from x [kx] (kx <= K) */
+/* x8 [chunks * 128] from x [kx] (kx <= K): the chunks one_row reads, the columns past kx zero */
+static inline int64_t one_row_columns(int64_t kx, int64_t K);
 static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
-    const int64_t chunks = (K + 127) / 128;
+    const int64_t chunks = (one_row_columns(kx, K) + 127) / 128;
     for (int64_t c = 0; c < chunks; c++)
         for (int i = 0; i < 8; i++)
             for (int l = 0; l < 16; l++) {
@@ -542,29 +543,46 @@ static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
     p1 = f_fma(NIBBLE(7, v, t, lanes), f_load((xc) + 112), p1);
 /* the codes `ahead` bytes further on (a few rows ahead), one line per chunk */
 #define PREFETCH_CHUNK(p, ahead) __builtin_prefetch((const char *)(p) + (ahead))
-static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table table, int64_t K, int64_t group,
-                     int64_t ahead) {
-    const int64_t full = K / 128, rem = K % 128;
+/* The columns one_row reads: up to kx rounded up to a lane's 8 (the rest of the row is padding,
+ * whose x is zero: its codes are not read, nor are the groups past it) */
+static inline int64_t one_row_columns(int64_t kx, int64_t K) {
+    const int64_t k8 = (kx + 7) / 8 * 8;
+    return k8 < K ? k8 : K;
+}
+static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table table, int64_t K, int64_t kx,
+                     int64_t group, int64_t ahead) {
+    const int64_t cols = one_row_columns(kx, K), full = cols / 128, rem = cols % 128;
+    /* the last, partial chunk: its lanes from rem / 8 on are past the columns read (zero) */
+    const __mmask16 last_lanes = (__mmask16)((1u << (rem / 8)) - 1);
     F a0 = f_zero(), a1 = f_zero(), a2 = f_zero(), a3 = f_zero();
-    if (group % 128 == 0) { /* rem == 0: K is a multiple of the group */
+    if (group % 128 == 0) { /* a chunk lies in one group: its scaled table */
         const int64_t per = group / 128;
-        for (int64_t c0 = 0, g = 0; c0 < full; c0 += per, g++) {
+#define TABLE_CHUNK(c, lanes, ts)                                                                 \
+    {                                                                                            \
+        const uint8_t *p = row + 64 * (c);                                                       \
+        PREFETCH_CHUNK(p, ahead);                                                                \
+        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        const float *xc = x8 + 128 * (c);                                                        \
+        a0 = f_fma(NIBBLE(0, v, ts.t, lanes), f_load(xc), a0);                                   \
+        a1 = f_fma(NIBBLE(1, v, ts.t, lanes), f_load(xc + 16), a1);                              \
+        a2 = f_fma(NIBBLE(2, v, ts.t, lanes), f_load(xc + 32), a2);                              \
+        a3 = f_fma(NIBBLE(3, v, ts.t, lanes), f_load(xc + 48), a3);                              \
+        a0 = f_fma(NIBBLE(4, v, ts.t, lanes), f_load(xc + 64), a0);                              \
+        a1 = f_fma(NIBBLE(5, v, ts.t, lanes), f_load(xc + 80), a1);                              \
+        a2 = f_fma(NIBBLE(6, v, ts.t, lanes), f_load(xc + 96), a2);                              \
+        a3 = f_fma(NIBBLE(7, v, ts.t, lanes), f_load(xc + 112), a3);                             \
+    }
+        int64_t c = 0, g = 0;
+        for (; c + per <= full; c += per, g++) {
             const Table ts = table_for(table, rp, g);
-            for (int64_t c = c0; c < c0 + per; c++) {
-                const uint8_t *p = row + 64 * c;
-                PREFETCH_CHUNK(p, ahead);
-                const __m512i v = _mm512_loadu_si512((const void *)p);
-                const float *xc = x8 + 128 * c;
-                a0 = f_fma(NIBBLE(0, v, ts.t, 0xFFFF), f_load(xc), a0);
-                a1 = f_fma(NIBBLE(1, v, ts.t, 0xFFFF), f_load(xc + 16), a1);
-                a2 = f_fma(NIBBLE(2, v, ts.t, 0xFFFF), f_load(xc + 32), a2);
-                a3 = f_fma(NIBBLE(3, v, ts.t, 0xFFFF), f_load(xc + 48), a3);
-                a0 = f_fma(NIBBLE(4, v, ts.t, 0xFFFF), f_load(xc + 64), a0);
-                a1 = f_fma(NIBBLE(5, v, ts.t, 0xFFFF), f_load(xc + 80), a1);
-                a2 = f_fma(NIBBLE(6, v, ts.t, 0xFFFF), f_load(xc + 96), a2);
-                a3 = f_fma(NIBBLE(7, v, ts.t, 0xFFFF), f_load(xc + 112), a3);
-            }
+            for (int64_t i = c; i < c + per; i++) TABLE_CHUNK(i, 0xFFFF, ts)
         }
+        if (c < full || rem) {
+            const Table ts = table_for(table, rp, g);
+            for (; c < full; c++) TABLE_CHUNK(c, 0xFFFF, ts)
+            if (rem) TABLE_CHUNK(c, last_lanes, ts)
+        }
+#undef TABLE_CHUNK
         return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
     }
     /* lane l's group within a chunk: l / (group / 8); a chunk's scales: per_chunk of them */
@@ -588,9 +606,9 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
         SCALED_CHUNK(c + 1, a2, a3, 0xFFFF, chunk_groups)
     }
     if (c < full) { SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups) c++; }
-    if (rem) { /* the last chunk's lanes from rem / 8 on are past K: zero (as are their x) */
-        const __mmask16 lanes = (__mmask16)((1u << (rem / 8)) - 1), groups = (__mmask16)((1u << (rem / group)) - 1);
-        SCALED_CHUNK(c, a2, a3, lanes, groups)
+    if (rem) { /* the groups the last chunk's lanes lie in */
+        const __mmask16 groups = (__mmask16)((1u << ((rem + group - 1) / group)) - 1);
+        SCALED_CHUNK(c, a2, a3, last_lanes, groups)
     }
 #undef SCALED_CHUNK
     return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
@@ -626,7 +644,7 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
             const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
             /* each chunk asks for its line PREFETCH_ROWS rows on (none past the last row) */
             const int64_t ahead = n + PREFETCH_ROWS < N ? PREFETCH_ROWS * half : 0;
-            y[n] = one_row(split, codes + n * half, rp, table, K, group, ahead);
+            y[n] = one_row(split, codes + n * half, rp, table, K, kx, group, ahead);
         }
         M = 0; /* done */
     }
@@ -659,6 +677,19 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
     free(split);
     free(scratch);
     return 0;
+}
+
+/* A weight's fixed arguments of fb_lut4_matmul, for fb_lut4_row: y [N] = x [kx] @ W.T with three
+ * arguments (from Python each argument costs a conversion: fb_lut4_matmul's eleven took longer
+ * than the matmul of a small layer's row). */
+typedef struct {
+    const uint8_t *codes;
+    const Params *P;
+    const float *table;
+    int64_t N, K, group, kx;
+} Lut4Row;
+int32_t fb_lut4_row(const Lut4Row *r, const float *x, float *y) {
+    return fb_lut4_matmul(x, r->kx, r->kx, r->codes, r->P, r->table, 1, r->N, r->K, r->group, y);
 }
 
 /* W rows [r0, r1) decoded, out [(r1 - r0), K]: the same decode as fb_lut4_matmul (exactly
