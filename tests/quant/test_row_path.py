@@ -1,6 +1,7 @@
 """QuantLinear's one-row path: a single float32 row on the CPU, for a 4-bit weight held prepared
-for lut4.c, goes straight to fb_lut4_row (forward() skips ~10 us of Python per call). It must give
-what the general path gives, bit for bit, and step aside wherever that path does something else."""
+for lut4.c (dequant kernel) or w4a8.c (w4a8 kernel), goes straight to fb_lut4_row / fb_w4a8_row
+(forward() skips ~10 us of Python per call; compiled models' op too). It must give what the
+general path gives, bit for bit, and step aside wherever that path does something else."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,7 @@ from fewbits.quant.modules import QuantLinear
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the native library")
 
-SCHEMES = ["nf4", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4"]
+SCHEMES = ["nf4", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4", "w4a8"]
 
 
 def _layer(scheme: str, n: int = 96, k: int = 320, bias: bool = False, seed: int = 0) -> QuantLinear:
@@ -68,7 +69,7 @@ def test_the_row_path_follows_the_weight():
     b.load_state_dict(a.state_dict())
     assert torch.equal(b(x), want)
     for c in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
-        assert c._row is not None and c._row[0] != a._row[0]
+        assert c._row is not None and c._row[1] != a._row[1]
         assert torch.equal(c(x), want)
     del a
     assert torch.equal(b(x), want)
@@ -76,8 +77,14 @@ def test_the_row_path_follows_the_weight():
 
 def test_kernels_without_the_row_path():
     assert _layer("int8")._row is None  # torch's int8 kernel
+    assert _layer("w8a8")._row is None
     assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "nf4", kernel="dequant_fp32")._row is not None
-    w4a8 = _layer("w4a8")
-    assert w4a8._row is None
+    assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "w4a8", kernel="dequant")._row is None  # activations
+
+
+def test_w4a8_row_refuses_nonfinite_activations():
+    q = _layer("w4a8")
     x = torch.randn(1, 320)
-    assert torch.equal(w4a8(x), w4a8._forward_eager(x))
+    x[0, 7] = float("nan")
+    with pytest.raises(ValueError, match=native.NONFINITE_ACTIVATIONS[:20]):
+        q(x)

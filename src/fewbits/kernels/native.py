@@ -554,6 +554,8 @@ def declare_w4a8(lib: ctypes.CDLL) -> None:
     lib.fb_w4a8_matmul.restype = i32
     lib.fb_w4a8_linear.argtypes = [p, i64, i64, p, p, i32, p, i32, i32, i64, i64, p]
     lib.fb_w4a8_linear.restype = i32
+    lib.fb_w4a8_row.argtypes = [p, p, p]
+    lib.fb_w4a8_row.restype = i32
     lib.fb_w4a8_dequantized_x.argtypes = [p, i64, i64, i64, p]
     lib.fb_w4a8_dequantized_x.restype = i32
 
@@ -958,6 +960,18 @@ def _w4a8_rc(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} refused its arguments")
 
 
+def w4a8_row_rc(rc: int) -> None:
+    """Raise for a non-zero return code of fb_w4a8_row (fb_w4a8_linear's)."""
+    _w4a8_rc(rc, "fb_w4a8_linear")
+
+
+class _W4A8Row(ctypes.Structure):
+    """w4a8.c's W4A8Row: a weight's fixed arguments of fb_w4a8_linear for one row of x."""
+    _fields_ = [("codes", ctypes.c_void_p), ("s", ctypes.c_void_p), ("mn", ctypes.c_void_p),
+                ("s_kind", ctypes.c_int64), ("m_kind", ctypes.c_int64), ("is_signed", ctypes.c_int64),
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
 def _w4a8_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     """(x, its row stride) for w4a8.c, which reads rows of k values at that stride: broadcast or
     overlapping rows copied dense; a single row's stride is k, whatever torch says."""
@@ -1009,6 +1023,16 @@ class W4A8Weight:
         self._args = (self._codes.data_ptr(), self._scales.data_ptr(), self._s_kind,
                       self._mins.data_ptr() if self._mins is not None else None, self._m_kind,
                       1 if self.signed else 0, self.n, self.k)
+
+    def row_call(self) -> int:
+        """The address of this weight's arguments for w4a8.c's fb_w4a8_row(address, x, y): y [n]
+        for one contiguous float32 row x [k], what linear() computes for it, bit for bit, in one C
+        call of three arguments (return codes as fb_w4a8_linear's: w4a8_row_rc). Valid while
+        this weight lives."""
+        c, s, sk, mn, mk, signed, n, k = self._args
+        r = _W4A8Row(c, s, mn, sk, mk, signed, n, k)
+        self._row_args = getattr(self, "_row_args", []) + [r]
+        return ctypes.addressof(r)
 
     @staticmethod
     def _param(t, n: int, groups: int, what: str):

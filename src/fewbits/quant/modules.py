@@ -619,16 +619,34 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._row = self._row_path(kernel)
 
     def _row_path(self, kernel: str):
-        """(fb_lut4_row's argument address, output shapes by input rank) where one float32 row
-        on the CPU runs the dequant kernel's fused 4-bit C matmul of a weight held prepared,
-        else None. forward() then makes that one C call itself (QuantLinear.forward's
-        general path costs ~10 us of Python per call, more than a small layer's row):
-        the same call with the same arguments, so the same bits."""
-        if (kernel not in ("dequant", "dequant_fp32") or self._lut4w is None
-                or self._qweight.scheme.activations is not None or self.out_features == 0):
+        """(the C function, its argument address, its return-code check, output shapes by input
+        rank) where one float32 row on the CPU runs one C call of a weight held prepared: the
+        dequant kernel's fused 4-bit matmul (lut4.c) or w4a8's (w4a8.c); else None. forward()
+        then makes that call itself (the general path costs ~10 us of Python per call, more than
+        a small layer's row): the same call with the same arguments, so the same bits."""
+        if self.out_features == 0:
             return None
-        shapes = tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5))
-        return self._lut4w.row_call(self.in_features), shapes
+        if kernel == "w4a8":
+            call = ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
+        elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
+              and self._qweight.scheme.activations is None):
+            call = ("fb_lut4_row", self._lut4w.row_call(self.in_features), native.lut4_rc)
+        else:
+            return None
+        return call + (tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5)),)
+
+    def _row_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """forward(x) through _row_path's C call, or None where it does not apply."""
+        row = self._row
+        if (row is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu
+                and 1 <= x.dim() <= 4 and x.numel() == self.in_features and x.shape[-1] == self.in_features
+                and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
+            lib = native.library()  # None inside native.turned_off()
+            if lib is not None:
+                y = torch.empty(row[3][x.dim() - 1])
+                row[2](getattr(lib, row[0])(row[1], x.data_ptr(), y.data_ptr()))
+                return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
+        return None
 
     def __getstate__(self):
         # a copy or pickle holds the plain QuantizedTensor; the kernel layout is rebuilt
@@ -799,15 +817,9 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 # under torch.compile the layer is one opaque op: no graph break around it
                 return quant_linear_op(x, self._handle_tensor, self.out_features)
             return self._forward_eager(x)
-        row = self._row
-        if (row is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu
-                and 1 <= x.dim() <= 4 and x.numel() == self.in_features and x.shape[-1] == self.in_features
-                and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
-            lib = native.library()  # None inside native.turned_off()
-            if lib is not None:
-                y = torch.empty(row[1][x.dim() - 1])
-                native.lut4_rc(lib.fb_lut4_row(row[0], x.data_ptr(), y.data_ptr()))
-                return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
+        y = self._row_forward(x)
+        if y is not None:
+            return y
         return self._forward_eager(x)
 
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
@@ -1080,7 +1092,9 @@ def _quant_linear_impl(x: torch.Tensor, handle: torch.Tensor, out_features: int)
     m = _layer(int(handle))
     if m.out_features != out_features:
         raise RuntimeError(f"fewbits::quant_linear: handle {int(handle)} has {m.out_features} outputs, not {out_features}")
-    y = m._forward_eager(x).contiguous()  # the layout the fake promises
+    y = m._row_forward(x)
+    if y is None:
+        y = m._forward_eager(x).contiguous()  # the layout the fake promises
     return y.clone() if y.data_ptr() == x.data_ptr() else y  # an op's output never aliases its input
 
 

@@ -477,6 +477,18 @@ int32_t fb_w4a8_linear(const float *x, int64_t ldx, int64_t M, const uint8_t *co
     return rc;
 }
 
+/* A weight's fixed arguments of fb_w4a8_linear, for fb_w4a8_row: y [N] = one row x [K], three
+ * arguments (as lut4.c's fb_lut4_row: from Python each argument costs a conversion). */
+typedef struct {
+    const uint8_t *codes;
+    const void *s, *mn;
+    int64_t s_kind, m_kind, is_signed, N, K;
+} W4A8Row;
+int32_t fb_w4a8_row(const W4A8Row *r, const float *x, float *y) {
+    return fb_w4a8_linear(x, r->K, 1, r->codes, r->s, (int32_t)r->s_kind, r->mn, (int32_t)r->m_kind,
+                          (int32_t)r->is_signed, r->N, r->K, y);
+}
+
 /* The activations as fb_w4a8_linear quantizes them, dequantized: out [M, K] float32 (dense) =
  * xq * sx, one float32 product each -- fewbits.quant.quantize(x, int8 group-32 absmax scheme)
  * .dequantize(), for batches that multiply them as floats. Returns 0, -1 for a bad shape, -2
