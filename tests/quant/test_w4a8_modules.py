@@ -95,6 +95,12 @@ def test_the_dequantized_activations_of_batches_are_quantizes():
     x[2, 64:96] *= 1e30
     assert torch.equal(native.w4a8_dequantized_x(lib, x), quantize(x, ACT).dequantize())
     assert torch.equal(native.w4a8_dequantized_x(lib, x[:, :288]), quantize(x[:, :288], ACT).dequantize())
+    want = quantize(x, ACT).dequantize().to(torch.bfloat16)  # rounded in the same pass (equal values:
+    assert torch.equal(native.w4a8_dequantized_x(lib, x, torch.bfloat16), want)  # an all-zero block may give -0)
+    wide = torch.randn(3, 16416)  # rows longer than the C code's stack buffers (16384)
+    assert torch.equal(native.w4a8_dequantized_x(lib, wide), quantize(wide, ACT).dequantize())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.w4a8_dequantized_x(lib, x, torch.float16)
     x[5, 7] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         native.w4a8_dequantized_x(lib, x)

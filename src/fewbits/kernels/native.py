@@ -83,7 +83,7 @@ except ImportError:  # not POSIX (Windows): no checked load there, the torch ker
     fcntl = None
 
 SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c")
-HEADERS = ("vec16.h",)
+HEADERS = ("vec16.h", "threads.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
 # torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under
@@ -556,7 +556,7 @@ def declare_w4a8(lib: ctypes.CDLL) -> None:
     lib.fb_w4a8_linear.restype = i32
     lib.fb_w4a8_row.argtypes = [p, p, p]
     lib.fb_w4a8_row.restype = i32
-    lib.fb_w4a8_dequantized_x.argtypes = [p, i64, i64, i64, p]
+    lib.fb_w4a8_dequantized_x.argtypes = [p, i64, i64, i64, p, i32]
     lib.fb_w4a8_dequantized_x.restype = i32
 
 
@@ -981,18 +981,22 @@ def _w4a8_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     return x, (x.stride(0) if m > 1 else k)
 
 
-def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+def w4a8_dequantized_x(lib: ctypes.CDLL, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] float32 quantized per block of 32 columns as W4A8Weight.linear does, then
     dequantized: xq * sx in float32, equal to fewbits.quant.quantize(x, int8 group-32 absmax
-    scheme).dequantize(). ValueError where x holds NaN or inf."""
+    scheme).dequantize(); with dtype=torch.bfloat16 that float32 rounded to bfloat16 (nearest
+    even, as .to(torch.bfloat16) does), in the same pass. ValueError where x holds NaN or inf."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32 or x.shape[1] == 0 or x.device.type != "cpu":
         raise ValueError(f"x must be CPU float32 [M, K] with K a positive multiple of 32, got {x.dtype} {tuple(x.shape)}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
     m, k = x.shape
     x, ldx = _w4a8_rows(x, k)
-    out = torch.empty(m, k, dtype=torch.float32)
+    out = torch.empty(m, k, dtype=dtype)
     if m == 0:
         return out
-    _w4a8_rc(lib.fb_w4a8_dequantized_x(x.data_ptr(), ldx, m, k, out.data_ptr()), "fb_w4a8_dequantized_x")
+    _w4a8_rc(lib.fb_w4a8_dequantized_x(x.data_ptr(), ldx, m, k, out.data_ptr(), int(dtype == torch.bfloat16)),
+             "fb_w4a8_dequantized_x")
     return out
 
 

@@ -973,7 +973,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         # scales) and dequantized (one float32 product each, in the same C call), then dequant's
         # blocks -- in bfloat16 where bf16_blocks says so, as for weight-only layers (bf16 of the
         # dequantized activations and of the dequantized weight, float32 sums)
-        return self._dequant_matmul(native.w4a8_dequantized_x(lib, x), bias, dtype, True, x_quantized=True)
+        mm_dtype = torch.bfloat16 if bf16_blocks(x) else torch.float32  # rounded in the same C pass
+        return self._dequant_matmul(native.w4a8_dequantized_x(lib, x, mm_dtype), bias, dtype, True, x_quantized=True)
 
     def _forward_dequant(self, x2d, bias, dtype):
         return self._dequant_matmul(x2d, bias, dtype, self.scheme.activations is None)

@@ -40,14 +40,7 @@
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#define THREAD_ID omp_get_thread_num()
-#define MAX_THREADS omp_get_max_threads()
-#else
-#define THREAD_ID 0
-#define MAX_THREADS 1
-#endif
+#include "threads.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

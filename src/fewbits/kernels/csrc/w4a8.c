@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "threads.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -489,23 +490,53 @@ int32_t fb_w4a8_row(const W4A8Row *r, const float *x, float *y) {
                           (int32_t)r->is_signed, r->N, r->K, y);
 }
 
-/* The activations as fb_w4a8_linear quantizes them, dequantized: out [M, K] float32 (dense) =
- * xq * sx, one float32 product each -- fewbits.quant.quantize(x, int8 group-32 absmax scheme)
- * .dequantize(), for batches that multiply them as floats. Returns 0, -1 for a bad shape, -2
- * when its scratch cannot be allocated, -3 (nothing written) where x holds NaN or inf. */
-int32_t fb_w4a8_dequantized_x(const float *x, int64_t ldx, int64_t M, int64_t K, float *out) {
+/* The activations as fb_w4a8_linear quantizes them, dequantized: out [M, K] (dense) = xq * sx,
+ * one float32 product each -- fewbits.quant.quantize(x, int8 group-32 absmax scheme)
+ * .dequantize() -- in float32 (out_bf16 = 0) or rounded to bfloat16, nearest even (1: uint16
+ * bit patterns, what .to(torch.bfloat16) of that float32 gives), for batches that multiply them
+ * as floats. A row at a time: quantized into a buffer of the thread's, then dequantized (no
+ * [M, K] buffer of codes). Returns 0, -1 for a bad shape, -2 when its scratch cannot be
+ * allocated, -3 where x holds NaN or inf (out then means nothing). */
+#define DQ_STACK_K 16384 /* rows up to this long use buffers on the stack */
+int32_t fb_w4a8_dequantized_x(const float *x, int64_t ldx, int64_t M, int64_t K, void *out, int32_t out_bf16) {
     if (M < 0 || K <= 0 || K % 32 || ldx < K) return -1;
     const int64_t blocks = K / 32;
-    int8_t *xq;
-    float *sx;
-    const int64_t bad = quantize_blocks(x, ldx, M, K, &xq, &sx);
-    if (bad == -2) return -2;
-    if (!bad) {
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) out[m * K + k] = (float)xq[m * K + k] * sx[m * blocks + k / 32];
+    int8_t *heap_q = NULL;
+    float *heap_s = NULL;
+    if (K > DQ_STACK_K) { /* one row's buffers per thread */
+        heap_q = malloc((size_t)(K * MAX_THREADS + 1));
+        heap_s = malloc(sizeof(float) * (size_t)(2 * blocks * MAX_THREADS + 1));
+        if (!heap_q || !heap_s) {
+            free(heap_q);
+            free(heap_s);
+            return -2;
+        }
     }
-    free(xq);
-    free(sx);
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        int8_t stack_q[K > DQ_STACK_K ? 1 : K];
+        float stack_s[K > DQ_STACK_K ? 1 : 2 * blocks];
+        int8_t *q = heap_q ? heap_q + (int64_t)THREAD_ID * K : stack_q;
+        float *sc = heap_s ? heap_s + (int64_t)THREAD_ID * 2 * blocks : stack_s;
+        const int64_t b = fb_row_int8_scales(x + m * ldx, blocks, 32, 32, sc, sc + blocks);
+        bad += b;
+        if (b) continue;
+        fb_quantize_rows_int8(x + m * ldx, blocks, 32, 32, sc + blocks, 1, (uint8_t *)q, 0);
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + m * K;
+            for (int64_t k = 0; k < K; k++) {
+                const float v = (float)q[k] * sc[k / 32]; /* finite: x was */
+                uint32_t u;
+                memcpy(&u, &v, 4);
+                o[k] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            }
+        } else {
+            float *o = (float *)out + m * K;
+            for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * sc[k / 32];
+        }
+    }
+    free(heap_q);
+    free(heap_s);
     return bad ? -3 : 0;
 }
