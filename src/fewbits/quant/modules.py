@@ -92,7 +92,10 @@ from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored
 
 KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
-_ROW_BLOCK_VALUES = 1 << 18  # values decoded per block on the dequant path (1 MiB of float32)
+# values decoded per block on the dequant path (8 MiB of float32; bfloat16 blocks twice as many
+# values, 8 MiB). Blocks of 2^18 values (1 MiB) left batches of 16-256 rows of 4096-wide layers
+# at 2.0-3.0x fp32 and made 4x as many GEMM calls; these reach 2.5-4.8x (benchmarks/bench_linear.py)
+_ROW_BLOCK_VALUES = 1 << 21
 
 
 # ---------------------------------------------------------------------------------------------
