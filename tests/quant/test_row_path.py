@@ -1,5 +1,5 @@
-"""QuantLinear's one-row path: a single float32 row on the CPU, for a 4-bit weight held prepared
-for lut4.c (dequant kernel) or w4a8.c (w4a8 kernel), goes straight to fb_lut4_row / fb_w4a8_row
+"""QuantLinear's one-row path: a single float32 row on the CPU, for a weight held prepared
+for lut4.c (dequant kernel), w4a8.c (w4a8) or int8w.c (int8pack), goes straight to its C call
 (forward() skips ~10 us of Python per call; compiled models' op too). It must give what the
 general path gives, bit for bit, and step aside wherever that path does something else."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fewbits.quant.modules import QuantLinear
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the native library")
 
-SCHEMES = ["nf4", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4", "w4a8"]
+SCHEMES = ["nf4", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4", "w4a8", "int8", "int8_tensor"]
 
 
 def _layer(scheme: str, n: int = 96, k: int = 320, bias: bool = False, seed: int = 0) -> QuantLinear:
@@ -76,7 +76,6 @@ def test_the_row_path_follows_the_weight():
 
 
 def test_kernels_without_the_row_path():
-    assert _layer("int8")._row is None  # torch's int8 kernel
     assert _layer("w8a8")._row is None
     assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "nf4", kernel="dequant_fp32")._row is not None
     assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "w4a8", kernel="dequant")._row is None  # activations
@@ -88,3 +87,38 @@ def test_w4a8_row_refuses_nonfinite_activations():
     x[0, 7] = float("nan")
     with pytest.raises(ValueError, match=native.NONFINITE_ACTIVATIONS[:20]):
         q(x)
+
+
+@pytest.mark.xfail(strict=True, reason="_row_forward allocates y with torch.empty(shape): the default dtype, so under "
+                                       "torch.set_default_dtype(torch.float64) the C call writes float32 into a float64 "
+                                       "buffer (garbage; float16/bfloat16 defaults: a heap overflow)")
+@pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
+def test_one_row_under_another_default_dtype(scheme):
+    q = _layer(scheme)
+    x = torch.randn(1, 320)
+    want = q._forward_eager(x)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # float64 only: a wider buffer, nothing written past it
+    try:
+        y = q(x)
+    finally:
+        torch.set_default_dtype(before)
+    assert y.dtype == torch.float32 and torch.equal(y, want)
+
+
+@pytest.mark.xfail(strict=True, reason="_row holds only the address of the weight's C arguments: a forward in flight "
+                                       "(ctypes releases the GIL) while another thread reloads the weight reads freed "
+                                       "codes (a segfault with large weights); the general path's local keeps them alive")
+@pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
+def test_a_captured_row_call_keeps_its_weight_alive(scheme):
+    import gc
+    import weakref
+
+    a, b = _layer(scheme, seed=5), _layer(scheme, seed=6)
+    held = a._lut4w if a._lut4w is not None and scheme != "w4a8" else a._w4a8w
+    codes = weakref.ref(held._codes)
+    del held
+    row = a._row  # what _row_forward holds during its C call
+    a.load_state_dict({k: v.clone() for k, v in b.state_dict().items()})  # another thread, meanwhile
+    gc.collect()
+    assert row is not None and codes() is not None  # the codes row[1] points into are still there
