@@ -11,8 +11,10 @@ int4pack       int4 sym / uint4 asym (integer zero point or float minimum), grou
                of 32 (or per channel / tensor): torch's packed int4 matmul; bfloat16
                activations, bfloat16 (scale, zero) pairs. Chosen where dequant's C kernels
                cannot read the parameters as stored (q4_k's two-level scales) or are not built.
-int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: torch's int8
-               weight matmul up to LUT4_MAX_BATCH rows (bfloat16 activations and scales);
+int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: up to
+               LUT4_MAX_BATCH rows fewbits' C kernel (csrc/int8w.c: each output's float32 sum
+               of code times x, times the row's float32 scale), or without the native library
+               torch's int8 weight matmul (bfloat16 activations and scales);
                larger float32 batches on CPUs with hardware bf16 (bf16_blocks): the int8 codes
                as bfloat16 (exact) in oneDNN's bf16 GEMM with bf16 activations, the sums
                rounded to bf16, then times the float32 row scales.
@@ -618,19 +620,23 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._decoder = None
         self._lut4w = None
         self._w4a8w = None
+        self._int8w = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
         self._row = self._row_path(kernel)
 
     def _row_path(self, kernel: str):
         """(the C function, its argument address, its return-code check, output shapes by input
         rank) where one float32 row on the CPU runs one C call of a weight held prepared: the
-        dequant kernel's fused 4-bit matmul (lut4.c) or w4a8's (w4a8.c); else None. forward()
+        dequant kernel's fused 4-bit matmul (lut4.c), w4a8's (w4a8.c) or int8pack's (int8w.c);
+        else None. forward()
         then makes that call itself (the general path costs ~10 us of Python per call, more than
         a small layer's row): the same call with the same arguments, so the same bits."""
         if self.out_features == 0:
             return None
         if kernel == "w4a8":
             call = ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
+        elif kernel == "int8pack" and self._int8w is not None:
+            call = ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
               and self._qweight.scheme.activations is None):
             call = ("fb_lut4_row", self._lut4w.row_call(self.in_features), native.lut4_rc)
@@ -659,6 +665,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state.pop("_decoder", None)
         state.pop("_lut4w", None)
         state.pop("_w4a8w", None)
+        state.pop("_int8w", None)
         state.pop("_row", None)
         return state
 
@@ -756,6 +763,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._int8_scales_f32 = self._weight_scales(qt)
         if qt.scales is None or not _same_storage(self._int8_scales_f32, qt.scales):
             self._kernel_extra_nbytes = self._int8_scales_f32.nbytes
+        # a few rows: fewbits' C kernel (float32 activations) on the same codes and scales
+        self._int8w = native.Int8Weight(w, self._int8_scales_f32) if native.library() is not None else None
         return KernelQuantizedTensor(qt, {"weight": w, "scales_bf16": s})
 
     def _build_w8a8_int_mm(self, qt: QuantizedTensor) -> QuantizedTensor:
@@ -860,7 +869,16 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
 
     def _forward_int8pack(self, x2d, bias, dtype):
         kt = self._qweight.kernel_tensors
-        lib = native.library() if bf16_blocks(x2d) else None
+        lib = native.library()
+        if (lib is not None and self._int8w is not None and x2d.shape[0] <= LUT4_MAX_BATCH
+                and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            # a few rows: each output q @ x in float32 times its row's scale (kernels/csrc/int8w.c)
+            y = self._int8w.matmul(lib, x2d if x2d.dtype == torch.float32 else x2d.to(torch.float32))
+            if bias is None and dtype == torch.float32:
+                return y
+            with ops.one_thread_if_small(y.numel()):
+                return _with_bias(y, bias, dtype)
+        lib = lib if bf16_blocks(x2d) else None
         if lib is not None:
             # torch's int8 kernel is a GEMV: batches go to the bf16 GEMM, the int8 codes as they
             # are (exact in bf16), the rows' scales applied to the sums in float32 after it
