@@ -189,3 +189,24 @@ def test_one_row_with_zero_points_and_minimums(lib, group):
     x = torch.randn(1, row_len, generator=g)
     y = weight.matmul(lib, x)
     assert bool(((y.double() - x.double() @ w.t()).abs() <= _one_row_bound(x, w, row_len)).all())
+
+
+@pytest.mark.skipif(native.library() is None or "avx512f" not in native.cpu_flags(),
+                    reason="one_row is the AVX-512 build's")
+@pytest.mark.xfail(strict=True, reason="one_row (groups of 16-64) multiplies the sum of table value times x by the "
+                                       "scale: where an infinite scale meets a zero table value the decoded weight "
+                                       "is NaN (0 * inf), the product with it NaN (two rows, decode, x @ W), but one "
+                                       "row gives +-inf")
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_one_row_with_an_infinite_scale_is_the_decoded_weights_nan(group):
+    lib = native.library()
+    n, row_len = 4, 128
+    table = torch.arange(16, dtype=torch.float32) - 8  # code 8: 0.0, code 9: 1.0
+    codes = torch.tensor([0x99, 0x88] * (n * row_len // 4), dtype=torch.uint8)  # each lane's 8 weights: 1, 1, 0, 0, ...
+    scales = torch.ones(n, row_len // group)
+    scales[1, 0] = float("inf")
+    weight = native.Lut4Weight(codes, scales, table, n, row_len, group)
+    x = torch.ones(2, row_len)
+    assert bool(weight.decode(lib, 0, n)[1].isnan().any())
+    assert torch.isnan(weight.matmul(lib, x)[0, 1])  # two rows
+    assert torch.isnan(weight.matmul(lib, x[:1])[0, 1])  # one row
