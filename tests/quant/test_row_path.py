@@ -89,9 +89,6 @@ def test_w4a8_row_refuses_nonfinite_activations():
         q(x)
 
 
-@pytest.mark.xfail(strict=True, reason="_row_forward allocates y with torch.empty(shape): the default dtype, so under "
-                                       "torch.set_default_dtype(torch.float64) the C call writes float32 into a float64 "
-                                       "buffer (garbage; float16/bfloat16 defaults: a heap overflow)")
 @pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
 def test_one_row_under_another_default_dtype(scheme):
     q = _layer(scheme)
@@ -106,9 +103,6 @@ def test_one_row_under_another_default_dtype(scheme):
     assert y.dtype == torch.float32 and torch.equal(y, want)
 
 
-@pytest.mark.xfail(strict=True, reason="_row holds only the address of the weight's C arguments: a forward in flight "
-                                       "(ctypes releases the GIL) while another thread reloads the weight reads freed "
-                                       "codes (a segfault with large weights); the general path's local keeps them alive")
 @pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
 def test_a_captured_row_call_keeps_its_weight_alive(scheme):
     import gc

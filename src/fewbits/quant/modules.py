@@ -626,7 +626,9 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
 
     def _row_path(self, kernel: str):
         """(the C function, its argument address, its return-code check, output shapes by input
-        rank) where one float32 row on the CPU runs one C call of a weight held prepared: the
+        rank, the prepared weight: held with the address, so that a call in flight keeps the
+        tensors it reads alive while another thread replaces the weight) where one float32 row on
+        the CPU runs one C call of a weight held prepared: the
         dequant kernel's fused 4-bit matmul (lut4.c), w4a8's (w4a8.c) or int8pack's (int8w.c);
         else None. forward()
         then makes that call itself (the general path costs ~10 us of Python per call, more than
@@ -634,15 +636,15 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if self.out_features == 0:
             return None
         if kernel == "w4a8":
-            call = ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
+            w, call = self._w4a8w, ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
         elif kernel == "int8pack" and self._int8w is not None:
-            call = ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
+            w, call = self._int8w, ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
               and self._qweight.scheme.activations is None):
-            call = ("fb_lut4_row", self._lut4w.row_call(self.in_features), native.lut4_rc)
+            w, call = self._lut4w, ("fb_lut4_row", self._lut4w.row_call(self.in_features), native.lut4_rc)
         else:
             return None
-        return call + (tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5)),)
+        return call + (tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5)), w)
 
     def _row_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """forward(x) through _row_path's C call, or None where it does not apply."""
@@ -652,7 +654,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
             lib = native.library()  # None inside native.turned_off()
             if lib is not None:
-                y = torch.empty(row[3][x.dim() - 1])
+                y = torch.empty(row[3][x.dim() - 1], dtype=torch.float32)  # not the default dtype
                 row[2](getattr(lib, row[0])(row[1], x.data_ptr(), y.data_ptr()))
                 return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
         return None
