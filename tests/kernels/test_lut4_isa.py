@@ -193,10 +193,6 @@ def test_one_row_with_zero_points_and_minimums(lib, group):
 
 @pytest.mark.skipif(native.library() is None or "avx512f" not in native.cpu_flags(),
                     reason="one_row is the AVX-512 build's")
-@pytest.mark.xfail(strict=True, reason="one_row (groups of 16-64) multiplies the sum of table value times x by the "
-                                       "scale: where an infinite scale meets a zero table value the decoded weight "
-                                       "is NaN (0 * inf), the product with it NaN (two rows, decode, x @ W), but one "
-                                       "row gives +-inf")
 @pytest.mark.parametrize("group", [16, 32, 64])
 def test_one_row_with_an_infinite_scale_is_the_decoded_weights_nan(group):
     lib = native.library()

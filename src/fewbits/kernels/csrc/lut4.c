@@ -21,7 +21,8 @@
  * the codes read 128 weights at a time with no widening, and for groups of 16, 32 or 64 without
  * zero points or minimums (NVFP4, MX, NF4, Q4_0) table value times x summed over each 8 columns
  * of a group, then multiplied by the group's scale once: the same sum up to float32 rounding,
- * within the same bound; groups of 128 or more look up the scaled table, as everywhere else.
+ * within the same bound (a row with an infinite or NaN scale multiplies each weight by it first,
+ * as the decoded weight does); groups of 128 or more look up the scaled table, as everywhere else.
  *
  * Three builds of the same loops, chosen by the compiler's target (-march=native):
  *   AVX-512F   a step is 16 code bytes = 32 weights; widening is vpmovzxbd, the table lookup one
@@ -593,17 +594,48 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
         A = f_fma(p0, sv, A);                                                                    \
         B = f_fma(p1, sv, B);                                                                    \
     }
-    int64_t c = 0;
-    for (; c + 2 <= full; c += 2) {
-        SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups)
-        SCALED_CHUNK(c + 1, a2, a3, 0xFFFF, chunk_groups)
+/* a row with an infinite (or NaN) scale: every looked-up value times its lane's scale first, as
+ * the decoded weight is (a zero table value times an infinite scale is NaN there, which the sum
+ * times the scale would turn into an infinity) */
+#define EXACT_CHUNK(c, A, B, lanes, groups)                                                       \
+    {                                                                                            \
+        const uint8_t *p = row + 64 * (c);                                                       \
+        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        const F sv = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((groups), rp.s + (c) * per_chunk)); \
+        const float *xc = x8 + 128 * (c);                                                        \
+        for (int i = 0; i < 8; i += 2) {                                                         \
+            A = f_fma(f_mul(NIBBLE(i, v, table.t, lanes), sv), f_load(xc + 16 * i), A);          \
+            B = f_fma(f_mul(NIBBLE(i + 1, v, table.t, lanes), sv), f_load(xc + 16 * i + 16), B); \
+        }                                                                                        \
     }
-    if (c < full) { SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups) c++; }
-    if (rem) { /* the groups the last chunk's lanes lie in */
-        const __mmask16 groups = (__mmask16)((1u << ((rem + group - 1) / group)) - 1);
-        SCALED_CHUNK(c, a2, a3, last_lanes, groups)
+    const int64_t groups_read = (cols + group - 1) / group;
+    __mmask16 finite = 0xFFFF;
+    for (int64_t g = 0; g < groups_read; g += 16) {
+        const __mmask16 m = groups_read - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups_read - g)) - 1);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, rp.s + g));
+        const __m512i e = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
+        finite &= (__mmask16)(~_mm512_mask_cmpeq_epi32_mask(m, e, _mm512_set1_epi32(0x7F800000)));
+    }
+    int64_t c = 0;
+    if (finite == 0xFFFF) {
+        for (; c + 2 <= full; c += 2) {
+            SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups)
+            SCALED_CHUNK(c + 1, a2, a3, 0xFFFF, chunk_groups)
+        }
+        if (c < full) { SCALED_CHUNK(c, a0, a1, 0xFFFF, chunk_groups) c++; }
+        if (rem) { /* the groups the last chunk's lanes lie in */
+            const __mmask16 groups = (__mmask16)((1u << ((rem + group - 1) / group)) - 1);
+            SCALED_CHUNK(c, a2, a3, last_lanes, groups)
+        }
+    } else {
+        for (; c < full; c++) EXACT_CHUNK(c, a0, a1, 0xFFFF, chunk_groups)
+        if (rem) {
+            const __mmask16 groups = (__mmask16)((1u << ((rem + group - 1) / group)) - 1);
+            EXACT_CHUNK(c, a2, a3, last_lanes, groups)
+        }
     }
 #undef SCALED_CHUNK
+#undef EXACT_CHUNK
     return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
 }
 #endif
