@@ -910,7 +910,8 @@ class Lut4Weight:
         (where the library was built with OpenMP). Within float32 summation error of x @ the
         decoded weight; one row with AVX-512 and groups of 16, 32 or 64 (no zero points or
         minimums) sums table value times x per 8 columns and multiplies by the scale once
-        (lut4.c's one_row), every other case multiplies x by the decoded weights."""
+        (lut4.c's one_row; a row with an infinite or NaN scale takes each weight's product first,
+        as decoding does), every other case multiplies x by the decoded weights."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] > self.row_len or x.device.type != "cpu":
             raise ValueError(f"x must be CPU float32 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
         if x.stride(1) != 1:
@@ -1152,11 +1153,6 @@ class Int8Weight:
         r = _Int8WRow(self._q.data_ptr(), self._s.data_ptr(), self.n, self.k)
         self._row_args.append(r)
         return ctypes.addressof(r)
-
-    def own_nbytes(self, others) -> int:
-        """Bytes this weight holds that share no storage with `others` (copies it had to make)."""
-        ptrs = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
-        return sum(t.nbytes for t in (self._q, self._s) if t.untyped_storage().data_ptr() not in ptrs)
 
 
 # --- rounding of float32 values (round32.c) ------------------------------------------------

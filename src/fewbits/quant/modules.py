@@ -625,14 +625,13 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._row = self._row_path(kernel)
 
     def _row_path(self, kernel: str):
-        """(the C function, its argument address, its return-code check, output shapes by input
-        rank, the prepared weight: held with the address, so that a call in flight keeps the
-        tensors it reads alive while another thread replaces the weight) where one float32 row on
-        the CPU runs one C call of a weight held prepared: the
-        dequant kernel's fused 4-bit matmul (lut4.c), w4a8's (w4a8.c) or int8pack's (int8w.c);
-        else None. forward()
-        then makes that call itself (the general path costs ~10 us of Python per call, more than
-        a small layer's row): the same call with the same arguments, so the same bits."""
+        """Where one float32 row on the CPU runs one C call of a weight held prepared -- the
+        dequant kernel's fused 4-bit matmul (lut4.c), w4a8's (w4a8.c), int8pack's (int8w.c) --
+        (the C function's name, its argument address, its return-code check, the output shapes
+        by input rank, the prepared weight: held with the address, so that a call in flight
+        keeps the tensors it reads alive while another thread replaces the weight); else None.
+        forward() then makes that call itself (the general path costs ~10 us of Python per call,
+        more than a small layer's row): the same call with the same arguments, the same bits."""
         if self.out_features == 0:
             return None
         if kernel == "w4a8":
@@ -766,7 +765,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         if qt.scales is None or not _same_storage(self._int8_scales_f32, qt.scales):
             self._kernel_extra_nbytes = self._int8_scales_f32.nbytes
         # a few rows: fewbits' C kernel (float32 activations) on the same codes and scales
-        self._int8w = native.Int8Weight(w, self._int8_scales_f32) if native.library() is not None else None
+        self._int8w = native.Int8Weight(w, self._int8_scales_f32)
         return KernelQuantizedTensor(qt, {"weight": w, "scales_bf16": s})
 
     def _build_w8a8_int_mm(self, qt: QuantizedTensor) -> QuantizedTensor:

@@ -18,44 +18,88 @@
 #endif
 
 #define INT8W_MAX_M 8
-#define PREFETCH_AHEAD 4 /* rows of codes asked for ahead of the one being multiplied */
+#define PREFETCH_AHEAD 4 /* rows of codes asked for ahead of the one being multiplied, a line at a time */
 
-/* out[m] = sum_k q[k] * x[m * ldx + k] for m < M (M <= INT8W_MAX_M) */
-static void row_sums(const int8_t *q, const float *x, int64_t ldx, int64_t M, int64_t K, float *out) {
-    int64_t k = 0;
+/* out[m] = sum_k q[k] * x[m * ldx + k] for m < MR: MR a compile-time constant, each row's sum in
+ * NACC accumulators (a multiply-add waits 4 cycles for the previous one into the same register:
+ * one row of x needs four chains to keep the units busy, two rows two each, more rows one) */
 #if defined(__AVX512F__)
-    __m512 acc[INT8W_MAX_M];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k))));
-        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * ldx + k), acc[m]);
-    }
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (k < K) { /* the last K % 16 columns, masked */
-        const __mmask16 lanes = (__mmask16)((1u << (K - k)) - 1);
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes, q + k)));
-        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(lanes, x + m * ldx + k), acc[m]);
-        k = K;
-    }
-#endif
-    for (int m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+#define VW 16
+typedef __m512 V;
+static inline V v_zero(void) { return _mm512_setzero_ps(); }
+static inline V v_codes(const int8_t *q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); }
+static inline V v_fma(V a, const float *x, V c) { return _mm512_fmadd_ps(a, _mm512_loadu_ps(x), c); }
+static inline V v_add(V a, V b) { return _mm512_add_ps(a, b); }
+static inline float v_sum(V v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[INT8W_MAX_M];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
-        for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * ldx + k), acc[m]);
+#define VW 8
+typedef __m256 V;
+static inline V v_zero(void) { return _mm256_setzero_ps(); }
+static inline V v_codes(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
+static inline V v_fma(V a, const float *x, V c) { return _mm256_fmadd_ps(a, _mm256_loadu_ps(x), c); }
+static inline V v_add(V a, V b) { return _mm256_add_ps(a, b); }
+static inline float v_sum(V v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+}
+#endif
+#ifdef VW
+#define DEFINE_ROW_SUMS(MR, NACC)                                                                 \
+    static void row_sums_##MR(const int8_t *q, const float *x, int64_t ldx, int64_t K, const int8_t *ahead, \
+                              float *out) {                                                      \
+        V acc[MR][NACC];                                                                         \
+        for (int m = 0; m < MR; m++)                                                             \
+            for (int a = 0; a < NACC; a++) acc[m][a] = v_zero();                                 \
+        int64_t k = 0;                                                                           \
+        for (; k + NACC * VW <= K; k += NACC * VW) {                                             \
+            if (ahead && (k & 63) < NACC * VW) __builtin_prefetch(ahead + k); /* a line a row ahead */ \
+            for (int a = 0; a < NACC; a++) {                                                     \
+                const V w = v_codes(q + k + a * VW);                                             \
+                for (int m = 0; m < MR; m++) acc[m][a] = v_fma(w, x + m * ldx + k + a * VW, acc[m][a]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (; k + VW <= K; k += VW) {                                                           \
+            const V w = v_codes(q + k);                                                          \
+            for (int m = 0; m < MR; m++) acc[m][0] = v_fma(w, x + m * ldx + k, acc[m][0]);        \
+        }                                                                                        \
+        for (int m = 0; m < MR; m++) {                                                           \
+            V t = acc[m][0];                                                                     \
+            for (int a = 1; a < NACC; a++) t = v_add(t, acc[m][a]);                              \
+            out[m] = v_sum(t);                                                                   \
+        }                                                                                        \
+        for (; k < K; k++) /* the last K % VW columns */                                        \
+            for (int m = 0; m < MR; m++) out[m] += (float)q[k] * x[m * ldx + k];                 \
     }
-    for (int m = 0; m < M; m++) {
-        float t[8];
-        _mm256_storeu_ps(t, acc[m]);
-        out[m] = ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+DEFINE_ROW_SUMS(1, 4)
+DEFINE_ROW_SUMS(2, 2)
+DEFINE_ROW_SUMS(3, 1)
+DEFINE_ROW_SUMS(4, 1)
+DEFINE_ROW_SUMS(5, 1)
+DEFINE_ROW_SUMS(6, 1)
+DEFINE_ROW_SUMS(7, 1)
+DEFINE_ROW_SUMS(8, 1)
+#endif
+
+static void row_sums(const int8_t *q, const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *ahead,
+                     float *out) {
+#ifdef VW
+    switch (M) {
+    case 1: row_sums_1(q, x, ldx, K, ahead, out); return;
+    case 2: row_sums_2(q, x, ldx, K, ahead, out); return;
+    case 3: row_sums_3(q, x, ldx, K, ahead, out); return;
+    case 4: row_sums_4(q, x, ldx, K, ahead, out); return;
+    case 5: row_sums_5(q, x, ldx, K, ahead, out); return;
+    case 6: row_sums_6(q, x, ldx, K, ahead, out); return;
+    case 7: row_sums_7(q, x, ldx, K, ahead, out); return;
+    default: row_sums_8(q, x, ldx, K, ahead, out); return;
     }
 #else
-    for (int m = 0; m < M; m++) out[m] = 0.0f;
+    (void)ahead;
+    for (int64_t m = 0; m < M; m++) out[m] = 0.0f;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t m = 0; m < M; m++) out[m] += (float)q[k] * x[m * ldx + k];
 #endif
-    for (; k < K; k++) /* the scalar build, and the vector builds' last columns */
-        for (int m = 0; m < M; m++) out[m] += (float)q[k] * x[m * ldx + k];
 }
 
 /* y [M, N] (row-major) for x [M, K] float32 with row stride ldx >= K, q [N, K] int8 row-major,
@@ -66,12 +110,8 @@ int32_t fb_int8w_matmul(const float *x, int64_t ldx, int64_t M, const int8_t *q,
     if (M == 0) return 0;
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; n++) {
-        if (n + PREFETCH_AHEAD < N) {
-            const int8_t *p = q + (n + PREFETCH_AHEAD) * K;
-            for (int64_t b = 0; b < K; b += 64) __builtin_prefetch(p + b);
-        }
         float sums[INT8W_MAX_M];
-        row_sums(q + n * K, x, ldx, M, K, sums);
+        row_sums(q + n * K, x, ldx, M, K, n + PREFETCH_AHEAD < N ? q + (n + PREFETCH_AHEAD) * K : NULL, sums);
         for (int64_t m = 0; m < M; m++) y[m * N + n] = sums[m] * s[n];
     }
     return 0;
