@@ -89,7 +89,7 @@ def test_w4a8_row_refuses_nonfinite_activations():
         q(x)
 
 
-@pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
+@pytest.mark.parametrize("scheme", ["nf4", "w4a8", "int8"])
 def test_one_row_under_another_default_dtype(scheme):
     q = _layer(scheme)
     x = torch.randn(1, 320)
@@ -103,14 +103,14 @@ def test_one_row_under_another_default_dtype(scheme):
     assert y.dtype == torch.float32 and torch.equal(y, want)
 
 
-@pytest.mark.parametrize("scheme", ["nf4", "w4a8"])
+@pytest.mark.parametrize("scheme", ["nf4", "w4a8", "int8"])
 def test_a_captured_row_call_keeps_its_weight_alive(scheme):
     import gc
     import weakref
 
     a, b = _layer(scheme, seed=5), _layer(scheme, seed=6)
-    held = a._lut4w if a._lut4w is not None and scheme != "w4a8" else a._w4a8w
-    codes = weakref.ref(held._codes)
+    held = a._row[4]  # the prepared weight (Lut4Weight, W4A8Weight, Int8Weight)
+    codes = weakref.ref(held._codes if hasattr(held, "_codes") else held._q)
     del held
     row = a._row  # what _row_forward holds during its C call
     a.load_state_dict({k: v.clone() for k, v in b.state_dict().items()})  # another thread, meanwhile
