@@ -888,6 +888,7 @@ class Lut4Weight:
             raise ValueError(f"the table needs 16 values, got {table.numel()}")
         self._table = table
         self._codes = codes.contiguous()
+        self._row_args: list = []  # row_call's argument structs, alive as long as this weight
 
     def _param(self, t: torch.Tensor, n: int, groups: int, what: str) -> tuple[int, int]:
         if not isinstance(t, torch.Tensor) or t.dtype not in _PARAM_KINDS or t.device.type != "cpu":
@@ -930,7 +931,7 @@ class Lut4Weight:
             raise ValueError(f"kx must be in [0, {self.row_len}], got {kx}")
         r = _Lut4Row(self._codes.data_ptr(), ctypes.addressof(self._params), self._table.data_ptr(),
                      self.n, self.row_len, self.group, int(kx))
-        self._row_args = getattr(self, "_row_args", []) + [r]
+        self._row_args.append(r)
         return ctypes.addressof(r)
 
     def decode(self, lib: ctypes.CDLL, r0: int, r1: int, dtype: torch.dtype = torch.float32,
@@ -1036,6 +1037,7 @@ class W4A8Weight:
         self._codes = codes.reshape(-1).contiguous()
         self._scales, self._s_kind = self._param(scales, n, k // 32, "scales")
         self._mins, self._m_kind = (None, 0) if minimums is None else self._param(minimums, n, k // 32, "minimums")
+        self._row_args: list = []  # row_call's argument structs, alive as long as this weight
         # fb_w4a8_linear's arguments after x's (the tensors above are held, so the pointers stay)
         self._args = (self._codes.data_ptr(), self._scales.data_ptr(), self._s_kind,
                       self._mins.data_ptr() if self._mins is not None else None, self._m_kind,
@@ -1048,7 +1050,7 @@ class W4A8Weight:
         this weight lives."""
         c, s, sk, mn, mk, signed, n, k = self._args
         r = _W4A8Row(c, s, mn, sk, mk, signed, n, k)
-        self._row_args = getattr(self, "_row_args", []) + [r]
+        self._row_args.append(r)
         return ctypes.addressof(r)
 
     @staticmethod

@@ -508,12 +508,18 @@ static int params_ok(const Params *P) {
  * chunk and lane in float32 and multiplied by the lane's scale once (where the steps multiply
  * every weight by it): the same sum up to float32 rounding (a product per lane and chunk instead
  * of one per weight), within the fused matmul's bound, for 2 multiplications per chunk instead of 8.
- * K % 128 (32, 64 or 96 columns) is a last chunk whose lanes past K are masked to zero. */
+ * A last partial chunk (the columns read not a multiple of 128) has its lanes past them masked
+ * to zero. */
 static int one_row_path(int64_t K, int64_t group, const Params *P) {
     return group % 128 == 0 || ((group == 16 || group == 32 || group == 64) && !P->z && !P->m);
 }
+/* The columns one_row reads: up to kx rounded up to a lane's 8 (the rest of the row is padding,
+ * whose x is zero: its codes are not read, nor are the groups past it) */
+static inline int64_t one_row_columns(int64_t kx, int64_t K) {
+    const int64_t k8 = (kx + 7) / 8 * 8;
+    return k8 < K ? k8 : K;
+}
 /* x8 [chunks * 128] from x [kx] (kx <= K): the chunks one_row reads, the columns past kx zero */
-static inline int64_t one_row_columns(int64_t kx, int64_t K);
 static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
     const int64_t chunks = (one_row_columns(kx, K) + 127) / 128;
     for (int64_t c = 0; c < chunks; c++)
@@ -537,12 +543,6 @@ static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
     p1 = f_fma(NIBBLE(7, v, t, lanes), f_load((xc) + 112), p1);
 /* the codes `ahead` bytes further on (a few rows ahead), one line per chunk */
 #define PREFETCH_CHUNK(p, ahead) __builtin_prefetch((const char *)(p) + (ahead))
-/* The columns one_row reads: up to kx rounded up to a lane's 8 (the rest of the row is padding,
- * whose x is zero: its codes are not read, nor are the groups past it) */
-static inline int64_t one_row_columns(int64_t kx, int64_t K) {
-    const int64_t k8 = (kx + 7) / 8 * 8;
-    return k8 < K ? k8 : K;
-}
 static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table table, int64_t K, int64_t kx,
                      int64_t group, int64_t ahead) {
     const int64_t cols = one_row_columns(kx, K), full = cols / 128, rem = cols % 128;
