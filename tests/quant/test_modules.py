@@ -542,25 +542,33 @@ def test_copies_and_pickles_rebuild_the_kernel(name):
 
 
 @pytest.mark.parametrize("name", ["int8", "int8_tensor", "nf4", "int4", "q4_1", "nvfp4", "fp8"])
-def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, monkeypatch):
+@pytest.mark.parametrize("extra", [5, "tiles"])
+def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monkeypatch):
     """Beyond LUT4_MAX_BATCH float32 rows, weight-only layers multiply in bf16 where the CPU has
-    hardware bf16 (qm.bf16_blocks): bf16(dequantize()) blocks (bit for bit: tests/kernels/
+    hardware bf16 (qm.bf16_blocks): bf16(dequantize()) (bit for bit: tests/kernels/
     test_lut4_isa.py), or for int8 the codes themselves (exact) with the scales applied after;
-    the result within the bf16 bound. With kernel="dequant_fp32" the batch stays in float32."""
+    the result within the bf16 bound. Up to TILE_MAX_BATCH rows on AMX tiles where the build has
+    them (tests/kernels/test_tiles.py), else (and beyond) blocks for oneDNN's bf16 GEMM. With
+    kernel="dequant_fp32" the batch stays in float32."""
     from fewbits.kernels import native
     lib = native.library()
     if lib is None:
         pytest.skip(native.status()["reason"])
     m = QuantLinear.from_linear(_linear(64, 256), name)
-    rows = qm.LUT4_MAX_BATCH + 5
+    rows = qm.LUT4_MAX_BATCH + 5 if extra == 5 else qm.TILE_MAX_BATCH + 3
     x = _x((rows, 256))
     assert qm.bf16_blocks(x) == ops.fast_bf16_matmul()
-    calls = []
+    calls, tiled = [], []
     real = native.int8_rows_bf16
     monkeypatch.setattr(native, "int8_rows_bf16", lambda *a, **k: calls.append(a[2:4]) or real(*a, **k))
+    for cls in (native.Int8Weight, native.Lut4Weight):
+        monkeypatch.setattr(cls, "tile_matmul", lambda self, *a, _f=cls.tile_matmul: tiled.append(1) or _f(self, *a))
     assert_close_to_reference(m, x)
+    tiles = ops.fast_bf16_matmul() and native.tiles(lib) and rows <= qm.TILE_MAX_BATCH
+    if m.kernel == "int8pack" or m._decoder is not None and m._decoder.lut4:
+        assert bool(tiled) == (ops.fast_bf16_matmul() and rows <= qm.TILE_MAX_BATCH)
     if m.kernel == "int8pack":
-        assert bool(calls) == ops.fast_bf16_matmul()
+        assert bool(calls) == (ops.fast_bf16_matmul() and not tiles)
         if calls:  # the int8 codes, exactly
             q = m._qweight.kernel_tensors["weight"]
             assert torch.equal(real(lib, q, 3, 9).float(), q[3:9].float())

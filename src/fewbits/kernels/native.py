@@ -83,7 +83,7 @@ except ImportError:  # not POSIX (Windows): no checked load there, the torch ker
     fcntl = None
 
 SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c", "int8w.c")
-HEADERS = ("vec16.h", "threads.h")
+HEADERS = ("vec16.h", "threads.h", "tiles.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
 # torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under
@@ -510,6 +510,10 @@ def declare_lut4(lib: ctypes.CDLL) -> None:
     lib.fb_lut4_decode.restype = i32
     lib.fb_lut4_row.argtypes = [p, p, p]
     lib.fb_lut4_row.restype = i32
+    lib.fb_tiles.argtypes = []
+    lib.fb_tiles.restype = i32
+    lib.fb_lut4_tile_matmul.argtypes = [p, i64, i64, p, params, p, i64, i64, i64, i64, p]
+    lib.fb_lut4_tile_matmul.restype = i32
 
 
 def declare_int8w(lib: ctypes.CDLL) -> None:
@@ -519,6 +523,8 @@ def declare_int8w(lib: ctypes.CDLL) -> None:
     lib.fb_int8w_matmul.restype = i32
     lib.fb_int8w_row.argtypes = [p, p, p]
     lib.fb_int8w_row.restype = i32
+    lib.fb_int8w_tile_matmul.argtypes = [p, i64, i64, p, p, i64, i64, p]
+    lib.fb_int8w_tile_matmul.restype = i32
     lib.fb_int8w_max_rows.argtypes = []
     lib.fb_int8w_max_rows.restype = i32
 
@@ -824,11 +830,18 @@ class _Lut4Params(ctypes.Structure):
                 ("s_codes", ctypes.c_void_p), ("s_table", ctypes.c_void_p), ("s_mul", ctypes.c_float)]
 
 
+def tiles(lib: ctypes.CDLL) -> bool:
+    """Whether this build multiplies bfloat16 batches on AMX tiles (tiles.h: built for a CPU with
+    AMX-BF16, and Linux granted the tiles' state): Lut4Weight.tile_matmul and
+    Int8Weight.tile_matmul return None where not."""
+    return bool(lib.fb_tiles())
+
+
 def lut4_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_lut4_matmul / fb_lut4_row."""
+    """Raise for a non-zero return code of fb_lut4_matmul / fb_lut4_row / fb_lut4_tile_matmul."""
     if rc:
-        raise (MemoryError("fb_lut4_matmul could not allocate its copy of x or its scratch") if rc == -2
-               else RuntimeError("fb_lut4_matmul refused its arguments"))
+        raise (MemoryError("the lut4 kernel could not allocate its copy of x or its scratch") if rc == -2
+               else RuntimeError("the lut4 kernel refused its arguments"))
 
 
 class _Lut4Row(ctypes.Structure):
@@ -921,6 +934,27 @@ class Lut4Weight:
         y = torch.empty(m, self.n, dtype=torch.float32)
         lut4_rc(lib.fb_lut4_matmul(x.data_ptr(), x.stride(0), x.shape[1], self._codes.data_ptr(), self._params_ref,
                                    self._table.data_ptr(), m, self.n, self.row_len, self.group, y.data_ptr()))
+        return y
+
+    def tile_matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, k <= row_len] bfloat16 @ bf16(W).T -> [M, n] float32 on AMX tiles (lut4.c's
+        fb_lut4_tile_matmul): W decoded as decode(..., torch.bfloat16) gives it, 32 rows at a
+        time into a buffer in the caches, the exact products of bfloat16 numbers summed in float32
+        (TDPBF16PS: subnormal bfloat16 inputs read as zero, as in oneDNN's bfloat16 GEMM). None
+        where the tiles cannot be used (no AMX in this build, or Linux refused them): the caller
+        takes another path."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] > self.row_len or x.device.type != "cpu":
+            raise ValueError(f"x must be CPU bfloat16 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        rc = lib.fb_lut4_tile_matmul(x.data_ptr(), max(x.stride(0), x.shape[1]), x.shape[1], self._codes.data_ptr(),
+                                     self._params_ref, self._table.data_ptr(), m, self.n, self.row_len, self.group,
+                                     y.data_ptr())
+        if rc == -3:
+            return None
+        lut4_rc(rc)
         return y
 
     def row_call(self, kx: int) -> int:
@@ -1102,9 +1136,10 @@ class W4A8Weight:
 
 # --- int8 weight-only layers (int8w.c) ----------------------------------------------------
 def int8w_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_int8w_matmul / fb_int8w_row."""
+    """Raise for a non-zero return code of fb_int8w_matmul / fb_int8w_row / fb_int8w_tile_matmul."""
     if rc:
-        raise RuntimeError("fb_int8w_matmul refused its arguments")
+        raise (MemoryError("the int8 kernel could not allocate its buffers") if rc == -2
+               else RuntimeError("the int8 kernel refused its arguments"))
 
 
 class _Int8WRow(ctypes.Structure):
@@ -1146,6 +1181,24 @@ class Int8Weight:
         ldx = x.stride(0) if m > 1 else self.k
         int8w_rc(lib.fb_int8w_matmul(x.data_ptr(), ldx, m, self._q.data_ptr(), self._s.data_ptr(), self.n, self.k,
                                      y.data_ptr()))
+        return y
+
+    def tile_matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, k] bfloat16 @ q.T on AMX tiles (int8w.c's fb_int8w_tile_matmul): each output the
+        float32 sum of the exact products of x and the codes (TDPBF16PS, see tiles.h) times its
+        row's scale -> [M, n] float32; None where the tiles cannot be used (no AMX in this build,
+        or Linux refused them)."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be CPU bfloat16 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.k):
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        rc = lib.fb_int8w_tile_matmul(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, self._q.data_ptr(),
+                                      self._s.data_ptr(), self.n, self.k, y.data_ptr())
+        if rc == -3:
+            return None
+        int8w_rc(rc)
         return y
 
     def row_call(self) -> int:

@@ -280,6 +280,9 @@ class _RowDecoder:
 # dequant's blocks, faster from about 12-16 rows (1536 x 576 and 4096 x 4096 layers, 1 and 2 threads)
 W4A8_MAX_BATCH = 12
 LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
+# bf16 batches up to this many rows on AMX tiles over blocks decoded in the caches (lut4.c's
+# fb_lut4_tile_matmul); oneDNN's bf16 GEMM on decoded blocks beyond
+TILE_MAX_BATCH = 128
 
 
 def _rows_per_block(row_len: int, bits: int, dtype: torch.dtype = torch.float32) -> int:
@@ -880,6 +883,13 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             with ops.one_thread_if_small(y.numel()):
                 return _with_bias(y, bias, dtype)
         lib = lib if bf16_blocks(x2d) else None
+        if lib is not None and self._int8w is not None and x2d.shape[0] <= TILE_MAX_BATCH:
+            # AMX: the codes as bf16 (exact) 32 rows at a time, float32 sums times the row scales
+            with ops.one_thread_if_small(x2d.numel()):
+                xm = x2d.to(torch.bfloat16)
+            y = self._int8w.tile_matmul(lib, xm)
+            if y is not None:
+                return _with_bias(y, bias, dtype)
         if lib is not None:
             # torch's int8 kernel is a GEMV: batches go to the bf16 GEMM, the int8 codes as they
             # are (exact in bf16), the rows' scales applied to the sums in float32 after it
@@ -1037,6 +1047,11 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                     return dec.block(r0, r1, scales, zps).to(mm_dtype)
         with ops.one_thread_if_small(x2d.numel()):
             xm = x2d.to(mm_dtype)
+        if w is not None and mm_dtype == torch.bfloat16 and rows <= TILE_MAX_BATCH:
+            # AMX: blocks of 32 rows decoded to bf16 in the caches, float32 sums (None without AMX)
+            y = w.tile_matmul(lib, xm)
+            if y is not None:
+                return _with_bias(y, bias, dtype)
         if step >= n:
             return _with_bias(F.linear(xm, block(0, n)), bias, dtype)
         return _block_matmul(xm, n, step, block, bias, dtype)

@@ -9,9 +9,14 @@
  *
  * The codes are read once per call for all M <= INT8W_MAX_M rows of x, 16 (8) at a time widened to
  * int32 and converted to float32 once for all of them; rows of W are shared out over torch's
- * OpenMP threads. */
+ * OpenMP threads.
+ *
+ * Batches on CPUs with AMX (fb_int8w_tile_matmul): x in bfloat16, the codes as bfloat16 (exact)
+ * 32 rows at a time on the tiles of tiles.h, each output's float32 sum times its row's scale. */
+#include "tiles.h" /* first: it declares what it needs of the system headers */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "threads.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -129,3 +134,65 @@ int32_t fb_int8w_row(const Int8WRow *r, const float *x, float *y) {
 }
 
 int32_t fb_int8w_max_rows(void) { return INT8W_MAX_M; }
+
+/* y [M, N] float32 = (x [M, K] bfloat16 bit patterns, row stride ldx >= K) @ q.T, each output's
+ * float32 sum (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS,
+ * see tiles.h) times s[n]. Returns 0; -1 for bad arguments; -2 when its buffers cannot be
+ * allocated; -3 where the tiles cannot be used (a build without AMX, or Linux refused them). */
+int32_t fb_int8w_tile_matmul(const uint16_t *x, int64_t ldx, int64_t M, const int8_t *q, const float *s, int64_t N,
+                             int64_t K, float *y) {
+    if (M < 0 || N < 0 || K <= 0 || ldx < K) return -1;
+#if !defined(FB_TILES)
+    (void)x, (void)q, (void)s, (void)y;
+    return -3;
+#else
+    if (!tiles_permitted()) return -3;
+    if (M == 0 || N == 0) return 0;
+    const int64_t ksteps = (K + 31) / 32, kp = 32 * ksteps, Mp = (M + 15) / 16 * 16;
+    const int64_t threads = MAX_THREADS, nblocks = (N + TILE_ROWS - 1) / TILE_ROWS;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(kp / 2 * Mp));
+    uint16_t *wbuf = malloc(sizeof(uint16_t) * (size_t)(threads * TILE_ROWS * kp));
+    if (!xp || !wbuf) {
+        free(xp);
+        free(wbuf);
+        return -2;
+    }
+#pragma omp parallel if (nblocks > 1)
+    {
+        {
+            const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
+            tiles_pack_x(x, ldx, M, K, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
+        }
+#pragma omp barrier
+        tiles_begin();
+        uint16_t *wb = wbuf + (int64_t)THREAD_ID * TILE_ROWS * kp;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
+            for (int64_t i = 0; i < nv; i++) {
+                const int8_t *qr = q + (n0 + i) * K;
+                uint16_t *o = wb + i * kp;
+                int64_t k = 0;
+                for (; k + 16 <= K; k += 16) { /* a code as float32 is exact, its high half its bfloat16 */
+                    const __m512i f = _mm512_castps_si512(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + k)))));
+                    _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
+                }
+                for (; k < K; k++) {
+                    const float f = (float)qr[k];
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    o[k] = (uint16_t)(u >> 16);
+                }
+                memset(o + K, 0, sizeof(uint16_t) * (size_t)(kp - K));
+            }
+            for (int64_t i = nv; i < TILE_ROWS; i++) memset(wb + i * kp, 0, sizeof(uint16_t) * (size_t)kp);
+            tiles_block(wb, kp, ksteps, xp, Mp, M, y + n0, N, nv, s + n0);
+        }
+        tiles_end();
+    }
+    free(xp);
+    free(wbuf);
+    return 0;
+#endif
+}

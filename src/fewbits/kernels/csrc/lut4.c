@@ -33,7 +33,11 @@
  * (GCC's generic vector extensions were tried first: GCC 12 widens a byte vector to int32 lanes
  * one byte at a time through general registers, which made the fused matmul 7x slower than this.)
  * Rows of W are shared out over torch's OpenMP threads when built with -fopenmp.
+ *
+ * Batches on CPUs with AMX (fb_lut4_tile_matmul): blocks of 32 rows decoded to bfloat16 into a
+ * buffer that stays in the caches and multiplied there on the tiles (tiles.h).
  */
+#include "tiles.h" /* first: it declares what it needs of the system headers */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -723,35 +727,115 @@ int32_t fb_lut4_row(const Lut4Row *r, const float *x, float *y) {
  * patterns, each float32 weight rounded to nearest even (what .to(torch.bfloat16) of the float32
  * weight gives for numbers; every NaN becomes 0x7FC0). Parameters as in fb_lut4_matmul. Returns 0, or
  * -1 for an unsupported shape, -2 when its scratch cannot be allocated. */
+/* row n of W decoded into out (K values): float32, or bfloat16 bit patterns (out_bf16) */
+static void decode_row(const uint8_t *codes, RowParams rp, Table table, int64_t K, int64_t group, int64_t n,
+                       void *out, int32_t out_bf16) {
+    const int64_t half = K / 2;
+    const uint8_t *row = codes + n * half;
+    if (out_bf16) {
+        uint16_t *o = (uint16_t *)out;
+        if (group % STEP == 0) { /* the group's table rounded to bfloat16 once, looked up as such */
+            for (int64_t j0 = 0, g = 0; j0 < half; j0 += group / 2, g++) {
+                const BTable bt = btable_of(table_for(table, rp, g));
+                for (int64_t j = j0; j < j0 + group / 2; j += W) store_bf16_step(row + j, bt, o + 2 * j);
+            }
+        } else {
+#define STORE_BF16(A, j) store_interleaved_bf16(o + 2 * (j), lo, hi);
+            FOR_EACH_STEP(row, rp, table, half, group, STORE_BF16);
+        }
+    } else {
+        float *o = (float *)out;
+#define STORE_F32(A, j) store_interleaved(o + 2 * (j), lo, hi);
+        FOR_EACH_STEP(row, rp, table, half, group, STORE_F32);
+    }
+}
+
 int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table16, int64_t K,
                        int64_t group, int64_t r0, int64_t r1, void *out, int32_t out_bf16) {
     if (!shape_ok(K, group) || !params_ok(P)) return -1;
     const Table table = table_load(table16);
-    const int64_t half = K / 2, groups = K / group;
+    const int64_t groups = K / group;
     float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
     if (!scratch) return -2;
 #pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
     for (int64_t n = r0; n < r1; n++) {
         float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
         const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
-        const uint8_t *row = codes + n * half;
-        if (out_bf16) {
-            uint16_t *o = (uint16_t *)out + (n - r0) * K;
-            if (group % STEP == 0) { /* the group's table rounded to bfloat16 once, looked up as such */
-                for (int64_t j0 = 0, g = 0; j0 < half; j0 += group / 2, g++) {
-                    const BTable bt = btable_of(table_for(table, rp, g));
-                    for (int64_t j = j0; j < j0 + group / 2; j += W) store_bf16_step(row + j, bt, o + 2 * j);
-                }
-            } else {
-#define STORE_BF16(A, j) store_interleaved_bf16(o + 2 * (j), lo, hi);
-                FOR_EACH_STEP(row, rp, table, half, group, STORE_BF16);
-            }
-        } else {
-            float *o = (float *)out + (n - r0) * K;
-#define STORE_F32(A, j) store_interleaved(o + 2 * (j), lo, hi);
-            FOR_EACH_STEP(row, rp, table, half, group, STORE_F32);
-        }
+        void *o = out_bf16 ? (void *)((uint16_t *)out + (n - r0) * K) : (void *)((float *)out + (n - r0) * K);
+        decode_row(codes, rp, table, K, group, n, o, out_bf16);
     }
     free(scratch);
     return 0;
+}
+
+/* 1 where fb_lut4_tile_matmul (and int8w.c's, built alike) runs on AMX tiles here, else 0 */
+int32_t fb_tiles(void) {
+#if defined(FB_TILES)
+    return tiles_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* y [M, N] float32 = x [M, kx] @ bf16(W).T, x bfloat16 bit patterns (row stride ldx), kx <= K (W's
+ * columns from kx on are not read), on AMX tiles (tiles.h): the rows of W decoded 32 at a time to
+ * bfloat16 as fb_lut4_decode does (bf16 of dequantize()'s float32 weight) into each thread's
+ * buffer, multiplied there with float32 sums (TDPBF16PS). Blocks of rows are shared out over
+ * torch's OpenMP threads. Returns 0; -1 for an unsupported shape; -2 when its buffers cannot be
+ * allocated; -3 where the tiles cannot be used (a build without AMX, or Linux refused them). */
+int32_t fb_lut4_tile_matmul(const uint16_t *x, int64_t ldx, int64_t kx, const uint8_t *codes, const Params *P,
+                            const float *table16, int64_t M, int64_t N, int64_t K, int64_t group, float *y) {
+    if (M < 0 || N < 0 || kx < 0 || kx > K || ldx < kx || !shape_ok(K, group) || !params_ok(P)) return -1;
+#if !defined(FB_TILES)
+    (void)x, (void)codes, (void)table16, (void)y;
+    return -3;
+#else
+    if (!tiles_permitted()) return -3;
+    if (M == 0 || N == 0) return 0;
+    if (kx == 0) {
+        memset(y, 0, sizeof(float) * (size_t)(M * N));
+        return 0;
+    }
+    const Table table = table_load(table16);
+    const int64_t groups = K / group, ksteps = (kx + 31) / 32, kp = 32 * ksteps, Mp = (M + 15) / 16 * 16;
+    const int64_t threads = MAX_THREADS, nblocks = (N + TILE_ROWS - 1) / TILE_ROWS;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(kp / 2 * Mp));
+    uint16_t *wbuf = malloc(sizeof(uint16_t) * (size_t)(threads * TILE_ROWS * K));
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * threads + 1));
+    if (!xp || !wbuf || !scratch) {
+        free(xp);
+        free(wbuf);
+        free(scratch);
+        return -2;
+    }
+#pragma omp parallel if (nblocks > 1)
+    {
+        {
+            const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
+            tiles_pack_x(x, ldx, M, kx, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
+        }
+#pragma omp barrier
+        tiles_begin();
+        uint16_t *wb = wbuf + (int64_t)THREAD_ID * TILE_ROWS * K;
+        float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
+            for (int64_t i = 0; i < nv; i++) {
+                uint16_t *o = wb + i * K;
+                decode_row(codes, row_params(P, n0 + i, groups, bs, bs + groups, bs + 2 * groups), table, K, group,
+                           n0 + i, o, 1);
+                /* the columns from kx to the last step's end multiply x's zeros: zero, not NaN */
+                memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
+            }
+            for (int64_t i = nv; i < TILE_ROWS; i++) memset(wb + i * K, 0, sizeof(uint16_t) * (size_t)kp);
+            tiles_block(wb, K, ksteps, xp, Mp, M, y + n0, N, nv, NULL);
+        }
+        tiles_end();
+    }
+    free(xp);
+    free(wbuf);
+    free(scratch);
+    return 0;
+#endif
 }

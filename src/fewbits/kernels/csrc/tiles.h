@@ -1,0 +1,146 @@
+/* The AMX-BF16 tile multiply that fewbits' weight-only batches share: y [M, N] float32 =
+ * x [M, K] bfloat16 @ Wb.T, where Wb is the weight decoded to bfloat16 by its own kernel (lut4.c,
+ * int8w.c) 32 rows at a time into a small buffer that stays in the core's caches and is
+ * multiplied at once, so that no decoded weight ever goes to memory (the GEMM on decoded blocks
+ * writes each block out and reads it back).
+ *
+ * The arithmetic: every product of two bfloat16 numbers is exact in float32, and the products
+ * are summed in float32 by TDPBF16PS (round to nearest even, in pairs along k, in an order of the
+ * hardware's own), which treats bfloat16 subnormal inputs as zero and flushes subnormal results to
+ * zero -- as oneDNN's bfloat16 GEMM does on these CPUs, which runs the same instruction. The sums
+ * stay float32 (the bfloat16 GEMM's output would round them to bfloat16).
+ *
+ * Operands: A = 16 rows of the decoded weight (32 k each, its natural row-major layout), B = x
+ * as pairs of k (row r of a B tile: the 16 rows of x's (k = 2r, 2r + 1) pairs), C [16 weight
+ * rows][16 rows of x]; C is stored transposed into y. Eight tiles: two A (32 weight rows), two B
+ * (32 rows of x), four C.
+ *
+ * Built only where the compiler targets AMX (-march=native on a CPU with it) on Linux, whose
+ * kernel grants a process the tiles' register state on request (arch_prctl): FB_TILES is then
+ * defined. A kernel asks tiles_permitted() first and returns -3 without it (the caller takes the
+ * bfloat16 GEMM on decoded blocks). Include before any system header (it needs syscall()). */
+#ifndef FEWBITS_TILES_H
+#define FEWBITS_TILES_H
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define FB_TILES 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* <unistd.h> declares it only outside strict C99 */
+
+#define TILE_ROWS 32 /* weight rows per block: two A tiles */
+
+/* whether this process may use the tile registers (asked of Linux once; call outside parallel
+ * regions: the grant is for the whole process, its threads included) */
+static int tiles_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+/* each thread before its first tile instruction: eight tiles of 16 rows of 64 bytes */
+static void tiles_begin(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+/* each thread after its last: the tiles back to their initial state (oneDNN configures its own) */
+static void tiles_end(void) { _tile_release(); }
+
+/* The B operand: xp [kp / 2][Mp] pairs, xp[r][m] = (x[m, 2r], x[m, 2r + 1]) for x [M, kx] bfloat16
+ * (row stride ldx elements), zero for m >= M and k >= kx; kp = kx rounded up to 32, Mp = M rounded
+ * up to 16. Pairs r0 .. r1 (the threads share them out): 16 rows of x at a time, each pair of
+ * theirs one gather. */
+static void tiles_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp, int64_t r0,
+                         int64_t r1) {
+    const int64_t full = kx / 2; /* pairs with both columns inside x */
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+        const int64_t mv = M - m0 < 16 ? (M - m0 > 0 ? M - m0 : 0) : 16;
+        const __mmask16 rows = (__mmask16)((1u << mv) - 1);
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)(2 * ldx))); /* bytes from row m0 */
+        const uint16_t *xm = x + m0 * ldx;
+        for (int64_t r = r0; r < r1; r++) {
+            __m512i v = _mm512_setzero_si512();
+            if (r < full) {
+                v = _mm512_mask_i32gather_epi32(v, rows, at, (const void *)(xm + 2 * r), 1);
+            } else if (2 * r < kx) { /* the last column of an odd kx: its pair's second half zero */
+                uint32_t t[16] = {0};
+                for (int64_t m = 0; m < mv; m++) t[m] = xm[m * ldx + 2 * r];
+                v = _mm512_loadu_si512((const void *)t);
+            }
+            _mm512_storeu_si512((void *)(xp + r * Mp + m0), v);
+        }
+    }
+}
+
+/* y[m, i] (row stride ldy) = sum over k < 32 ksteps of w[i, k] * x[m, k], for i < nv <= 32 and
+ * m < M, times scale[i] where scale is not NULL (one float32 product): w the block's bfloat16
+ * rows (row stride ldw >= 32 ksteps elements, TILE_ROWS rows, those from nv on zero), xp as
+ * tiles_pack_x made it. Between tiles_begin() and tiles_end(). */
+static void tiles_block(const uint16_t *w, int64_t ldw, int64_t ksteps, const uint32_t *xp, int64_t Mp, int64_t M,
+                        float *y, int64_t ldy, int64_t nv, const float *scale) {
+    float c[4][256] __attribute__((aligned(64))); /* C tiles: [weight row][row of x] */
+    const int64_t wb = ldw * 2, xb = Mp * 4;
+    const uint16_t *w1 = w + 16 * ldw;
+    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const uint32_t *b = xp + m0;
+        const int two = M - m0 > 16; /* a second B tile: rows m0 + 16 .. m0 + 31 of x */
+        _tile_zero(4);
+        _tile_zero(6);
+        if (two) {
+            _tile_zero(5);
+            _tile_zero(7);
+            for (int64_t s = 0; s < ksteps; s++) {
+                _tile_loadd(0, w + 32 * s, wb);
+                _tile_loadd(1, w1 + 32 * s, wb);
+                _tile_loadd(2, b + 16 * s * Mp, xb);
+                _tile_loadd(3, b + 16 * s * Mp + 16, xb);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 3);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+            _tile_stored(5, c[1], 64);
+            _tile_stored(7, c[3], 64);
+        } else {
+            for (int64_t s = 0; s < ksteps; s++) {
+                _tile_loadd(0, w + 32 * s, wb);
+                _tile_loadd(1, w1 + 32 * s, wb);
+                _tile_loadd(2, b + 16 * s * Mp, xb);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(6, 1, 2);
+            }
+        }
+        _tile_stored(4, c[0], 64);
+        _tile_stored(6, c[2], 64);
+        /* C tile t holds weight rows 16 (t >> 1) .., rows of x m0 + 16 (t & 1) ..: each row of x's
+         * 16 outputs are a column of it, gathered and stored into y */
+        for (int t = 0; t < 4; t += two ? 1 : 2) {
+            const int64_t i0 = 16 * (t >> 1), mb = m0 + 16 * (t & 1);
+            if (i0 >= nv) continue;
+            const __mmask16 keep = nv - i0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nv - i0)) - 1);
+            const __m512 sv = scale ? _mm512_maskz_loadu_ps(keep, scale + i0) : _mm512_set1_ps(1.0f);
+            for (int64_t j = 0; j < 16 && mb + j < M; j++) {
+                __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)j)), c[t], 4);
+                if (scale) v = _mm512_mul_ps(v, sv);
+                _mm512_mask_storeu_ps(y + (mb + j) * ldy + i0, keep, v);
+            }
+        }
+    }
+}
+#endif
+#endif
