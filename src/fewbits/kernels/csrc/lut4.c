@@ -768,6 +768,55 @@ int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table
     return 0;
 }
 
+#if defined(FB_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The tiles' own decode (AVX512-BF16 and -BW, which every CPU with AMX has): a group's scaled
+ * table (table_for: dequantize()'s float32 weights) rounded to bfloat16 by the hardware's
+ * conversion, vcvtneps2bf16 (round to nearest even as fb_lut4_decode does, except that a float32
+ * subnormal becomes zero -- TDPBF16PS reads bfloat16 subnormals as zero anyway -- and a NaN stays
+ * some NaN), 16 words in one register; a step of 16 code bytes is 32 word lookups (vpermw), each
+ * byte's low nibble the low word of its pair and the high nibble the high word, in k order as
+ * stored. For groups of 16 a step's two groups' tables share the register (words 0-15, 16-31),
+ * the second 8 bytes' indices offset by 16. Returns 0 (nothing written) for other groups. */
+static inline __m512i tiles_table(Table t) {
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t.t));
+}
+static inline void tiles_step(const uint8_t *p, __m512i tb, __m512i offset, uint16_t *out) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* (d | d << 12) & 0x000F000F: the low nibble in the low word, the high one in the high word */
+    const __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    _mm512_storeu_si512((void *)out, _mm512_permutexvar_epi16(_mm512_or_si512(idx, offset), tb));
+}
+static int decode_row_tiles(const uint8_t *codes, RowParams rp, Table table, int64_t K, int64_t group, int64_t n,
+                            uint16_t *o) {
+    const int64_t half = K / 2;
+    const uint8_t *row = codes + n * half;
+    if (group % 32 == 0) {
+        const __m512i none = _mm512_setzero_si512();
+        for (int64_t j0 = 0, g = 0; j0 < half; j0 += group / 2, g++) {
+            const __m512i tb = tiles_table(table_for(table, rp, g));
+            for (int64_t j = j0; j < j0 + group / 2; j += 16) tiles_step(row + j, tb, none, o + 2 * j);
+        }
+        return 1;
+    }
+    if (group == 16) {
+        const __m512i second = _mm512_maskz_set1_epi32(0xFF00, 0x00100010);
+        for (int64_t j = 0, g = 0; j < half; j += 16, g += 2) {
+            const __m512i tb = _mm512_inserti64x4(tiles_table(table_for(table, rp, g)),
+                                                  (__m256i)_mm512_cvtneps_pbh(table_for(table, rp, g + 1).t), 1);
+            tiles_step(row + j, tb, second, o + 2 * j);
+        }
+        return 1;
+    }
+    return 0;
+}
+#else
+static int decode_row_tiles(const uint8_t *codes, RowParams rp, Table table, int64_t K, int64_t group, int64_t n,
+                            uint16_t *o) {
+    (void)codes, (void)rp, (void)table, (void)K, (void)group, (void)n, (void)o;
+    return 0;
+}
+#endif
+
 /* 1 where fb_lut4_tile_matmul (and int8w.c's, built alike) runs on AMX tiles here, else 0 */
 int32_t fb_tiles(void) {
 #if defined(FB_TILES)
@@ -823,8 +872,8 @@ int32_t fb_lut4_tile_matmul(const uint16_t *x, int64_t ldx, int64_t kx, const ui
             const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
             for (int64_t i = 0; i < nv; i++) {
                 uint16_t *o = wb + i * K;
-                decode_row(codes, row_params(P, n0 + i, groups, bs, bs + groups, bs + 2 * groups), table, K, group,
-                           n0 + i, o, 1);
+                const RowParams rp = row_params(P, n0 + i, groups, bs, bs + groups, bs + 2 * groups);
+                if (!decode_row_tiles(codes, rp, table, K, group, n0 + i, o)) decode_row(codes, rp, table, K, group, n0 + i, o, 1);
                 /* the columns from kx to the last step's end multiply x's zeros: zero, not NaN */
                 memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
             }
