@@ -158,7 +158,8 @@ def test_tiles_give_the_same_bits_at_any_thread_count_and_leave_onednn_working()
 def test_tile_matmuls_refuse_what_they_cannot_take():
     w = native.Lut4Weight(torch.zeros(32 * 16, dtype=torch.uint8), torch.ones(32, 1), torch.arange(16.0), 32, 32, 32)
     q = native.Int8Weight(torch.ones(32, 32, dtype=torch.int8), torch.ones(32))
-    for bad in (torch.ones(2, 32), torch.ones(2, 33, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)):
+    for bad in (torch.ones(2, 32, dtype=torch.float16), torch.ones(2, 33, dtype=torch.bfloat16),
+                torch.ones(32, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="bfloat16"):
             w.tile_matmul(LIB, bad)
         with pytest.raises(ValueError, match="bfloat16"):

@@ -512,8 +512,10 @@ def declare_lut4(lib: ctypes.CDLL) -> None:
     lib.fb_lut4_row.restype = i32
     lib.fb_tiles.argtypes = []
     lib.fb_tiles.restype = i32
-    lib.fb_lut4_tile_matmul.argtypes = [p, i64, i64, p, params, p, i64, i64, i64, i64, p]
+    lib.fb_lut4_tile_matmul.argtypes = [p, i32, i64, i64, p, params, p, i64, i64, i64, i64, p]
     lib.fb_lut4_tile_matmul.restype = i32
+    lib.fb_lut4_tiles.argtypes = [p, p, i64, p]
+    lib.fb_lut4_tiles.restype = i32
 
 
 def declare_int8w(lib: ctypes.CDLL) -> None:
@@ -523,8 +525,10 @@ def declare_int8w(lib: ctypes.CDLL) -> None:
     lib.fb_int8w_matmul.restype = i32
     lib.fb_int8w_row.argtypes = [p, p, p]
     lib.fb_int8w_row.restype = i32
-    lib.fb_int8w_tile_matmul.argtypes = [p, i64, i64, p, p, i64, i64, p]
+    lib.fb_int8w_tile_matmul.argtypes = [p, i32, i64, i64, p, p, i64, i64, p]
     lib.fb_int8w_tile_matmul.restype = i32
+    lib.fb_int8w_tiles.argtypes = [p, p, i64, p]
+    lib.fb_int8w_tiles.restype = i32
     lib.fb_int8w_max_rows.argtypes = []
     lib.fb_int8w_max_rows.restype = i32
 
@@ -937,21 +941,24 @@ class Lut4Weight:
         return y
 
     def tile_matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, k <= row_len] bfloat16 @ bf16(W).T -> [M, n] float32 on AMX tiles (lut4.c's
-        fb_lut4_tile_matmul): W decoded as decode(..., torch.bfloat16) gives it, 32 rows at a
-        time into a buffer in the caches, the exact products of bfloat16 numbers summed in float32
-        (TDPBF16PS: subnormal bfloat16 inputs read as zero, as in oneDNN's bfloat16 GEMM). None
-        where the tiles cannot be used (no AMX in this build, or Linux refused them): the caller
-        takes another path."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] > self.row_len or x.device.type != "cpu":
-            raise ValueError(f"x must be CPU bfloat16 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
+        """x [M, k <= row_len] (bfloat16, or float32 rounded to bfloat16 in the call: to nearest
+        even, subnormals to zero, see tiles.h) @ bf16(W).T -> [M, n] float32 on AMX tiles (lut4.c's
+        fb_lut4_tile_matmul): W decoded to bfloat16 as decode(..., torch.bfloat16) gives it (for
+        groups of 16 or a multiple of 32 by the hardware's conversion, which takes float32
+        subnormals to zero), 32 rows at a time into a buffer in the caches, the exact products of
+        bfloat16 numbers summed in float32 (TDPBF16PS: subnormal bfloat16 inputs read as zero, as
+        in oneDNN's bfloat16 GEMM). None where the tiles cannot be used (no AMX in this build, or
+        Linux refused them): the caller takes another path."""
+        if (x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] > self.row_len
+                or x.device.type != "cpu"):
+            raise ValueError(f"x must be CPU bfloat16 or float32 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
         if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
-        rc = lib.fb_lut4_tile_matmul(x.data_ptr(), max(x.stride(0), x.shape[1]), x.shape[1], self._codes.data_ptr(),
-                                     self._params_ref, self._table.data_ptr(), m, self.n, self.row_len, self.group,
-                                     y.data_ptr())
+        rc = lib.fb_lut4_tile_matmul(x.data_ptr(), int(x.dtype == torch.float32), max(x.stride(0), x.shape[1]),
+                                     x.shape[1], self._codes.data_ptr(), self._params_ref, self._table.data_ptr(), m,
+                                     self.n, self.row_len, self.group, y.data_ptr())
         if rc == -3:
             return None
         lut4_rc(rc)
@@ -1184,18 +1191,19 @@ class Int8Weight:
         return y
 
     def tile_matmul(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, k] bfloat16 @ q.T on AMX tiles (int8w.c's fb_int8w_tile_matmul): each output the
-        float32 sum of the exact products of x and the codes (TDPBF16PS, see tiles.h) times its
-        row's scale -> [M, n] float32; None where the tiles cannot be used (no AMX in this build,
-        or Linux refused them)."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
-            raise ValueError(f"x must be CPU bfloat16 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        """x [M, k] (bfloat16, or float32 rounded to bfloat16 in the call, see Lut4Weight's) @ q.T
+        on AMX tiles (int8w.c's fb_int8w_tile_matmul): each output the float32 sum of the exact
+        products of x and the codes (TDPBF16PS, see tiles.h) times its row's scale -> [M, n]
+        float32; None where the tiles cannot be used (no AMX in this build, or Linux refused
+        them)."""
+        if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be CPU bfloat16 or float32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
         if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.k):
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
-        rc = lib.fb_int8w_tile_matmul(x.data_ptr(), x.stride(0) if m > 1 else self.k, m, self._q.data_ptr(),
-                                      self._s.data_ptr(), self.n, self.k, y.data_ptr())
+        rc = lib.fb_int8w_tile_matmul(x.data_ptr(), int(x.dtype == torch.float32), x.stride(0) if m > 1 else self.k, m,
+                                      self._q.data_ptr(), self._s.data_ptr(), self.n, self.k, y.data_ptr())
         if rc == -3:
             return None
         int8w_rc(rc)

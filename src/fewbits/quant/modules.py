@@ -626,6 +626,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._int8w = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
         self._row = self._row_path(kernel)
+        self._tiles = self._tile_path(kernel, self._row)
 
     def _row_path(self, kernel: str):
         """Where one float32 row on the CPU runs one C call of a weight held prepared -- the
@@ -661,6 +662,31 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
         return None
 
+    def _tile_path(self, kernel: str, row):
+        """Where float32 batches of more than LUT4_MAX_BATCH and at most TILE_MAX_BATCH rows run on
+        AMX tiles in one C call (a weight-only lut4 or int8 layer): (the C function's name, its
+        argument address -- _row's, the same weight's fixed arguments --, its return-code check, the
+        prepared weight); else None. forward() makes that call itself where the tiles are there:
+        the general path's call (tile_matmul with float32 x) with the same arguments, the same bits."""
+        if row is None or (kernel, row[0]) not in (("dequant", "fb_lut4_row"), ("int8pack", "fb_int8w_row")):
+            return None
+        return (row[0].replace("_row", "_tiles"), row[1], row[2], row[4])
+
+    def _tile_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """forward(x) through _tile_path's C call, or None where it does not apply."""
+        t = self._tiles
+        if (t is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and x.dim() >= 2
+                and x.shape[-1] == self.in_features and x.is_contiguous()
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            rows = x.numel() // max(self.in_features, 1)
+            if LUT4_MAX_BATCH < rows <= TILE_MAX_BATCH and ops.fast_bf16_matmul():
+                lib = native.library()  # None inside native.turned_off()
+                if lib is not None and native.tiles(lib):
+                    y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+                    t[2](getattr(lib, t[0])(t[1], x.data_ptr(), rows, y.data_ptr()))
+                    return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
+        return None
+
     def __getstate__(self):
         # a copy or pickle holds the plain QuantizedTensor; the kernel layout is rebuilt
         state = dict(super().__getstate__())
@@ -671,6 +697,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state.pop("_w4a8w", None)
         state.pop("_int8w", None)
         state.pop("_row", None)
+        state.pop("_tiles", None)
         return state
 
     def __setstate__(self, state):
@@ -834,6 +861,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 return quant_linear_op(x, self._handle_tensor, self.out_features)
             return self._forward_eager(x)
         y = self._row_forward(x)
+        if y is None:
+            y = self._tile_forward(x)
         if y is not None:
             return y
         return self._forward_eager(x)
@@ -885,11 +914,12 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         lib = lib if bf16_blocks(x2d) else None
         if lib is not None and self._int8w is not None and x2d.shape[0] <= TILE_MAX_BATCH:
             # AMX: the codes as bf16 (exact) 32 rows at a time, float32 sums times the row scales
-            with ops.one_thread_if_small(x2d.numel()):
-                xm = x2d.to(torch.bfloat16)
-            y = self._int8w.tile_matmul(lib, xm)
+            y = self._int8w.tile_matmul(lib, x2d)
             if y is not None:
-                return _with_bias(y, bias, dtype)
+                if bias is None and dtype == torch.float32:
+                    return y
+                with ops.one_thread_if_small(y.numel()):
+                    return _with_bias(y, bias, dtype)
         if lib is not None:
             # torch's int8 kernel is a GEMV: batches go to the bf16 GEMM, the int8 codes as they
             # are (exact in bf16), the rows' scales applied to the sums in float32 after it
@@ -1033,6 +1063,17 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         # blocks of rows decoded, each multiplied at once: in bfloat16 where asked (bf16_blocks),
         # else in x's dtype
         mm_dtype = torch.bfloat16 if bf16_batches and bf16_blocks(x2d) else x2d.dtype
+        if w is not None and mm_dtype == torch.bfloat16 and rows <= TILE_MAX_BATCH:
+            # AMX: blocks of 32 rows decoded to bf16 in the caches, float32 sums, float32 x rounded
+            # to bf16 in the same call (None without AMX)
+            y = w.tile_matmul(lib, x2d)
+            if y is not None:
+                if bias is None and dtype == torch.float32:
+                    return y
+                with ops.one_thread_if_small(y.numel()):
+                    return _with_bias(y, bias, dtype)
+        with ops.one_thread_if_small(x2d.numel()):
+            xm = x2d.to(mm_dtype)
         step = _rows_per_block(dec.row_len, dec.fmt.bits, mm_dtype)
         if w is not None and mm_dtype in (torch.float32, torch.bfloat16):
             buf = torch.empty(min(step, n) * dec.row_len, dtype=mm_dtype)  # one buffer for every block
@@ -1045,13 +1086,6 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             def block(r0, r1):
                 with ops.one_thread_if_small(0):  # a block is small: decoding it gains little from threads
                     return dec.block(r0, r1, scales, zps).to(mm_dtype)
-        with ops.one_thread_if_small(x2d.numel()):
-            xm = x2d.to(mm_dtype)
-        if w is not None and mm_dtype == torch.bfloat16 and rows <= TILE_MAX_BATCH:
-            # AMX: blocks of 32 rows decoded to bf16 in the caches, float32 sums (None without AMX)
-            y = w.tile_matmul(lib, xm)
-            if y is not None:
-                return _with_bias(y, bias, dtype)
         if step >= n:
             return _with_bias(F.linear(xm, block(0, n)), bias, dtype)
         return _block_matmul(xm, n, step, block, bias, dtype)
@@ -1131,6 +1165,8 @@ def _quant_linear_impl(x: torch.Tensor, handle: torch.Tensor, out_features: int)
     if m.out_features != out_features:
         raise RuntimeError(f"fewbits::quant_linear: handle {int(handle)} has {m.out_features} outputs, not {out_features}")
     y = m._row_forward(x)
+    if y is None:
+        y = m._tile_forward(x)
     if y is None:
         y = m._forward_eager(x).contiguous()  # the layout the fake promises
     return y.clone() if y.data_ptr() == x.data_ptr() else y  # an op's output never aliases its input

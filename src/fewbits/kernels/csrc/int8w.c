@@ -135,15 +135,16 @@ int32_t fb_int8w_row(const Int8WRow *r, const float *x, float *y) {
 
 int32_t fb_int8w_max_rows(void) { return INT8W_MAX_M; }
 
-/* y [M, N] float32 = (x [M, K] bfloat16 bit patterns, row stride ldx >= K) @ q.T, each output's
- * float32 sum (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS,
- * see tiles.h) times s[n]. Returns 0; -1 for bad arguments; -2 when its buffers cannot be
- * allocated; -3 where the tiles cannot be used (a build without AMX, or Linux refused them). */
-int32_t fb_int8w_tile_matmul(const uint16_t *x, int64_t ldx, int64_t M, const int8_t *q, const float *s, int64_t N,
-                             int64_t K, float *y) {
+/* y [M, N] float32 = (x [M, K] bfloat16 bit patterns, or float32 where x_f32 (rounded to bfloat16
+ * in the call, see tiles.h's tiles_pack_x), row stride ldx >= K) @ q.T, each output's float32 sum
+ * (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS, see tiles.h)
+ * times s[n]. Returns 0; -1 for bad arguments; -2 when its buffers cannot be allocated; -3 where
+ * the tiles cannot be used (a build without AMX, or Linux refused them). */
+int32_t fb_int8w_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t M, const int8_t *q, const float *s,
+                             int64_t N, int64_t K, float *y) {
     if (M < 0 || N < 0 || K <= 0 || ldx < K) return -1;
 #if !defined(FB_TILES)
-    (void)x, (void)q, (void)s, (void)y;
+    (void)x, (void)x_f32, (void)q, (void)s, (void)y;
     return -3;
 #else
     if (!tiles_permitted()) return -3;
@@ -161,7 +162,7 @@ int32_t fb_int8w_tile_matmul(const uint16_t *x, int64_t ldx, int64_t M, const in
     {
         {
             const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
-            tiles_pack_x(x, ldx, M, K, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
+            tiles_pack_x(x, x_f32, ldx, M, K, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
         }
 #pragma omp barrier
         tiles_begin();
@@ -195,4 +196,10 @@ int32_t fb_int8w_tile_matmul(const uint16_t *x, int64_t ldx, int64_t M, const in
     free(wbuf);
     return 0;
 #endif
+}
+
+/* fb_int8w_tile_matmul for M contiguous float32 rows of x [M, r->K], with a weight's fixed
+ * arguments (Int8WRow, as fb_int8w_row takes them) */
+int32_t fb_int8w_tiles(const Int8WRow *r, const float *x, int64_t M, float *y) {
+    return fb_int8w_tile_matmul(x, 1, r->K, M, r->q, r->s, r->N, r->K, y);
 }

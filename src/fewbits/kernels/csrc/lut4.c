@@ -768,7 +768,7 @@ int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table
     return 0;
 }
 
-#if defined(FB_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(FB_TILES)
 /* The tiles' own decode (AVX512-BF16 and -BW, which every CPU with AMX has): a group's scaled
  * table (table_for: dequantize()'s float32 weights) rounded to bfloat16 by the hardware's
  * conversion, vcvtneps2bf16 (round to nearest even as fb_lut4_decode does, except that a float32
@@ -809,12 +809,6 @@ static int decode_row_tiles(const uint8_t *codes, RowParams rp, Table table, int
     }
     return 0;
 }
-#else
-static int decode_row_tiles(const uint8_t *codes, RowParams rp, Table table, int64_t K, int64_t group, int64_t n,
-                            uint16_t *o) {
-    (void)codes, (void)rp, (void)table, (void)K, (void)group, (void)n, (void)o;
-    return 0;
-}
 #endif
 
 /* 1 where fb_lut4_tile_matmul (and int8w.c's, built alike) runs on AMX tiles here, else 0 */
@@ -826,17 +820,21 @@ int32_t fb_tiles(void) {
 #endif
 }
 
-/* y [M, N] float32 = x [M, kx] @ bf16(W).T, x bfloat16 bit patterns (row stride ldx), kx <= K (W's
- * columns from kx on are not read), on AMX tiles (tiles.h): the rows of W decoded 32 at a time to
- * bfloat16 as fb_lut4_decode does (bf16 of dequantize()'s float32 weight) into each thread's
- * buffer, multiplied there with float32 sums (TDPBF16PS). Blocks of rows are shared out over
- * torch's OpenMP threads. Returns 0; -1 for an unsupported shape; -2 when its buffers cannot be
- * allocated; -3 where the tiles cannot be used (a build without AMX, or Linux refused them). */
-int32_t fb_lut4_tile_matmul(const uint16_t *x, int64_t ldx, int64_t kx, const uint8_t *codes, const Params *P,
-                            const float *table16, int64_t M, int64_t N, int64_t K, int64_t group, float *y) {
+/* y [M, N] float32 = x [M, kx] @ bf16(W).T, x bfloat16 bit patterns or float32 (x_f32: rounded
+ * to bfloat16 in the call, see tiles_pack_x), row stride ldx, kx <= K (W's columns from kx on are
+ * not read), on AMX tiles (tiles.h): the rows of W decoded 32 at a time to bfloat16 -- bf16 of
+ * dequantize()'s float32 weight, rounded as fb_lut4_decode does or, for groups of 16 and of a
+ * multiple of 32, by the hardware's conversion (decode_row_tiles) -- into each thread's buffer and
+ * multiplied there with float32 sums (TDPBF16PS). Blocks of rows are shared out over torch's
+ * OpenMP threads; each output is summed by one thread in one order whatever their number.
+ * Returns 0; -1 for an unsupported shape; -2 when its buffers cannot be allocated; -3 where the
+ * tiles cannot be used (a build without AMX, or Linux refused them). */
+int32_t fb_lut4_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t kx, const uint8_t *codes,
+                            const Params *P, const float *table16, int64_t M, int64_t N, int64_t K, int64_t group,
+                            float *y) {
     if (M < 0 || N < 0 || kx < 0 || kx > K || ldx < kx || !shape_ok(K, group) || !params_ok(P)) return -1;
 #if !defined(FB_TILES)
-    (void)x, (void)codes, (void)table16, (void)y;
+    (void)x, (void)x_f32, (void)codes, (void)table16, (void)y;
     return -3;
 #else
     if (!tiles_permitted()) return -3;
@@ -861,7 +859,7 @@ int32_t fb_lut4_tile_matmul(const uint16_t *x, int64_t ldx, int64_t kx, const ui
     {
         {
             const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
-            tiles_pack_x(x, ldx, M, kx, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
+            tiles_pack_x(x, x_f32, ldx, M, kx, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
         }
 #pragma omp barrier
         tiles_begin();
@@ -887,4 +885,10 @@ int32_t fb_lut4_tile_matmul(const uint16_t *x, int64_t ldx, int64_t kx, const ui
     free(scratch);
     return 0;
 #endif
+}
+
+/* fb_lut4_tile_matmul for M contiguous float32 rows of x [M, r->kx], with a weight's fixed
+ * arguments (Lut4Row, as fb_lut4_row takes them): a batch's call from Python in four arguments */
+int32_t fb_lut4_tiles(const Lut4Row *r, const float *x, int64_t M, float *y) {
+    return fb_lut4_tile_matmul(x, 1, r->kx, r->kx, r->codes, r->P, r->table, M, r->N, r->K, r->group, y);
 }

@@ -21,7 +21,8 @@
  * bfloat16 GEMM on decoded blocks). Include before any system header (it needs syscall()). */
 #ifndef FEWBITS_TILES_H
 #define FEWBITS_TILES_H
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
 #define FB_TILES 1
 #include <immintrin.h>
 #include <stdint.h>
@@ -58,27 +59,42 @@ static void tiles_begin(void) {
 /* each thread after its last: the tiles back to their initial state (oneDNN configures its own) */
 static void tiles_end(void) { _tile_release(); }
 
-/* The B operand: xp [kp / 2][Mp] pairs, xp[r][m] = (x[m, 2r], x[m, 2r + 1]) for x [M, kx] bfloat16
- * (row stride ldx elements), zero for m >= M and k >= kx; kp = kx rounded up to 32, Mp = M rounded
- * up to 16. Pairs r0 .. r1 (the threads share them out): 16 rows of x at a time, each pair of
- * theirs one gather. */
-static void tiles_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp, int64_t r0,
-                         int64_t r1) {
+/* The B operand: xp [kp / 2][Mp] pairs, xp[r][m] = (x[m, 2r], x[m, 2r + 1]) for x [M, kx] (row
+ * stride ldx elements) as bfloat16, zero for m >= M and k >= kx; kp = kx rounded up to 32, Mp = M
+ * rounded up to 16. x is bfloat16 bit patterns, or float32 (x_f32) rounded here by vcvtneps2bf16:
+ * to nearest even, float32 subnormals to zero (the bfloat16 subnormals x.to(torch.bfloat16) would
+ * give read as zero in TDPBF16PS anyway; only a float32 subnormal that rounds up to the least
+ * normal bfloat16, 2^-126, counts as zero where it would not), a NaN stays some NaN. Pairs
+ * r0 .. r1 (the threads share them out): 16 rows of x at a time, each pair of theirs one gather
+ * (two of float32). */
+static void tiles_pack_x(const void *x, int x_f32, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp,
+                         int64_t r0, int64_t r1) {
     const int64_t full = kx / 2; /* pairs with both columns inside x */
+    const int64_t esize = x_f32 ? 4 : 2;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(esize * ldx))); /* bytes from row m0 */
     for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
         const int64_t mv = M - m0 < 16 ? (M - m0 > 0 ? M - m0 : 0) : 16;
         const __mmask16 rows = (__mmask16)((1u << mv) - 1);
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)(2 * ldx))); /* bytes from row m0 */
-        const uint16_t *xm = x + m0 * ldx;
+        const char *xm = (const char *)x + esize * m0 * ldx;
         for (int64_t r = r0; r < r1; r++) {
             __m512i v = _mm512_setzero_si512();
-            if (r < full) {
-                v = _mm512_mask_i32gather_epi32(v, rows, at, (const void *)(xm + 2 * r), 1);
-            } else if (2 * r < kx) { /* the last column of an odd kx: its pair's second half zero */
-                uint32_t t[16] = {0};
-                for (int64_t m = 0; m < mv; m++) t[m] = xm[m * ldx + 2 * r];
-                v = _mm512_loadu_si512((const void *)t);
+            if (2 * r < kx) {
+                const char *p = xm + esize * 2 * r;
+                if (!x_f32 && r < full) {
+                    v = _mm512_mask_i32gather_epi32(v, rows, at, (const void *)p, 1);
+                } else if (!x_f32) { /* the last column of an odd kx: its pair's second half zero */
+                    uint32_t t[16] = {0};
+                    for (int64_t m = 0; m < mv; m++) t[m] = ((const uint16_t *)p)[m * ldx];
+                    v = _mm512_loadu_si512((const void *)t);
+                } else {
+                    const __m512 lo = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, at, (const void *)p, 1);
+                    const __m512 hi = r < full ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, at, (const void *)(p + 4), 1)
+                                               : _mm512_setzero_ps();
+                    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+                    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+                    v = _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+                }
             }
             _mm512_storeu_si512((void *)(xp + r * Mp + m0), v);
         }
