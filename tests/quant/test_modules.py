@@ -547,7 +547,7 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
     """Beyond LUT4_MAX_BATCH float32 rows, weight-only layers multiply in bf16 where the CPU has
     hardware bf16 (qm.bf16_blocks): bf16(dequantize()) (bit for bit: tests/kernels/
     test_lut4_isa.py), or for int8 the codes themselves (exact) with the scales applied after;
-    the result within the bf16 bound. Up to TILE_MAX_BATCH rows on AMX tiles where the build has
+    the result within the bf16 bound. Batches tile_batch allows on AMX tiles where the build has
     them (tests/kernels/test_tiles.py), else (and beyond) blocks for oneDNN's bf16 GEMM. With
     kernel="dequant_fp32" the batch stays in float32."""
     from fewbits.kernels import native
@@ -555,7 +555,7 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
     if lib is None:
         pytest.skip(native.status()["reason"])
     m = QuantLinear.from_linear(_linear(64, 256), name)
-    rows = qm.LUT4_MAX_BATCH + 5 if extra == 5 else qm.TILE_MAX_BATCH + 3
+    rows = qm.LUT4_MAX_BATCH + 5 if extra == 5 else qm.TILE_MAX_VALUES // 256 + 3
     x = _x((rows, 256))
     assert qm.bf16_blocks(x) == ops.fast_bf16_matmul()
     calls, tiled = [], []
@@ -564,10 +564,10 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
     for cls in (native.Int8Weight, native.Lut4Weight):
         monkeypatch.setattr(cls, "tile_matmul", lambda self, *a, _f=cls.tile_matmul: tiled.append(1) or _f(self, *a))
     assert_close_to_reference(m, x)
-    tiles = ops.fast_bf16_matmul() and native.tiles(lib) and rows <= qm.TILE_MAX_BATCH
+    tiles = ops.fast_bf16_matmul() and native.tiles(lib) and qm.tile_batch(rows, 256)
     eager = m._forward_eager(x)  # the general path (forward's own tile call: tests/quant/test_tile_path.py)
     if m.kernel == "int8pack" or m._decoder is not None and m._decoder.lut4:
-        assert bool(tiled) == (ops.fast_bf16_matmul() and rows <= qm.TILE_MAX_BATCH)
+        assert bool(tiled) == (ops.fast_bf16_matmul() and qm.tile_batch(rows, 256))
     if m.kernel == "int8pack":
         assert bool(calls) == (ops.fast_bf16_matmul() and not tiles)
         if calls:  # the int8 codes, exactly

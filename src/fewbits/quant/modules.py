@@ -280,9 +280,19 @@ class _RowDecoder:
 # dequant's blocks, faster from about 12-16 rows (1536 x 576 and 4096 x 4096 layers, 1 and 2 threads)
 W4A8_MAX_BATCH = 12
 LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass over the codes)
-# bf16 batches up to this many rows on AMX tiles over blocks decoded in the caches (lut4.c's
-# fb_lut4_tile_matmul); oneDNN's bf16 GEMM on decoded blocks beyond
-TILE_MAX_BATCH = 128
+# bf16 batches on AMX tiles over blocks decoded in the caches (lut4.c's fb_lut4_tile_matmul,
+# int8w.c's) up to this many rows x in_features: x's bf16 pairs, which every block of weight rows
+# reads, within 1 MiB of the core's 2 MiB L2. Beyond, oneDNN's bf16 GEMM on decoded blocks wins:
+# 4 x 4096^2 layers at 128 rows (2^19 values) 5.2-5.9x fp32 on tiles against 4.2-4.5x on blocks,
+# at 256 rows 3.5-3.9x against 4.0-5.9x; SmolLM2's layers at 256 rows (<= 2^18.6) 2.4-2.8x
+# against 1.6-2.5x (Xeon with AMX, 1 and 2 threads).
+TILE_MAX_VALUES = 1 << 19
+
+
+def tile_batch(rows: int, in_features: int) -> bool:
+    """Whether a batch bf16_blocks sends to bf16 goes to the AMX tiles (where the build has them)
+    rather than to oneDNN's GEMM on decoded blocks: one rule for every weight-only kernel."""
+    return rows * in_features <= TILE_MAX_VALUES
 
 
 def _rows_per_block(row_len: int, bits: int, dtype: torch.dtype = torch.float32) -> int:
@@ -663,8 +673,8 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         return None
 
     def _tile_path(self, kernel: str, row):
-        """Where float32 batches of more than LUT4_MAX_BATCH and at most TILE_MAX_BATCH rows run on
-        AMX tiles in one C call (a weight-only lut4 or int8 layer): (the C function's name, its
+        """Where float32 batches of more than LUT4_MAX_BATCH rows that tile_batch sends to the AMX
+        tiles run in one C call (a weight-only lut4 or int8 layer): (the C function's name, its
         argument address -- _row's, the same weight's fixed arguments --, its return-code check, the
         prepared weight); else None. forward() makes that call itself where the tiles are there:
         the general path's call (tile_matmul with float32 x) with the same arguments, the same bits."""
@@ -679,7 +689,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 and x.shape[-1] == self.in_features and x.is_contiguous()
                 and not (x.requires_grad and torch.is_grad_enabled())):
             rows = x.numel() // max(self.in_features, 1)
-            if LUT4_MAX_BATCH < rows <= TILE_MAX_BATCH and ops.fast_bf16_matmul():
+            if rows > LUT4_MAX_BATCH and tile_batch(rows, self.in_features) and ops.fast_bf16_matmul():
                 lib = native.library()  # None inside native.turned_off()
                 if lib is not None and native.tiles(lib):
                     y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
@@ -912,7 +922,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             with ops.one_thread_if_small(y.numel()):
                 return _with_bias(y, bias, dtype)
         lib = lib if bf16_blocks(x2d) else None
-        if lib is not None and self._int8w is not None and x2d.shape[0] <= TILE_MAX_BATCH:
+        if lib is not None and self._int8w is not None and tile_batch(x2d.shape[0], self.in_features):
             # AMX: the codes as bf16 (exact) 32 rows at a time, float32 sums times the row scales
             y = self._int8w.tile_matmul(lib, x2d)
             if y is not None:
@@ -1063,7 +1073,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         # blocks of rows decoded, each multiplied at once: in bfloat16 where asked (bf16_blocks),
         # else in x's dtype
         mm_dtype = torch.bfloat16 if bf16_batches and bf16_blocks(x2d) else x2d.dtype
-        if w is not None and mm_dtype == torch.bfloat16 and rows <= TILE_MAX_BATCH:
+        if w is not None and mm_dtype == torch.bfloat16 and tile_batch(rows, x2d.shape[1]):
             # AMX: blocks of 32 rows decoded to bf16 in the caches, float32 sums, float32 x rounded
             # to bf16 in the same call (None without AMX)
             y = w.tile_matmul(lib, x2d)
