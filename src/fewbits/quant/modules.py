@@ -16,8 +16,10 @@ int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: u
                of code times x, times the row's float32 scale), or without the native library
                torch's int8 weight matmul (bfloat16 activations and scales);
                larger float32 batches on CPUs with hardware bf16 (bf16_blocks): the int8 codes
-               as bfloat16 (exact) in oneDNN's bf16 GEMM with bf16 activations, the sums
-               rounded to bf16, then times the float32 row scales.
+               as bfloat16 (exact) times bf16 activations -- on AMX tiles where the build has
+               them and tile_batch allows (csrc/tiles.h: 32 rows of codes at a time, float32
+               sums times the float32 row scales), else in oneDNN's bf16 GEMM (the sums rounded
+               to bf16, then times the scales).
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
 w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
                only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
@@ -44,8 +46,11 @@ dequant        everything else (nf4, int4, q4_0, q4_1, fp8, mx*, nvfp4, int2/3, 
                64, table values times x summed per 8 columns of a group, then times the scale),
                larger batches blocks decoded by C. Larger
                float32 batches on CPUs with hardware bf16 (bf16_blocks) multiply
-               bf16(dequantize()) blocks (round to nearest even) with bf16 activations in
-               oneDNN's bf16 GEMM, float32 accumulation, the result rounded to bf16.
+               bf16(dequantize()) (round to nearest even) with bf16 activations: on AMX tiles
+               where the build has them and tile_batch allows (csrc/tiles.h: 32 rows decoded at
+               a time into the caches, float32 sums, float32 result; bf16 subnormals read as
+               zero), else blocks in oneDNN's bf16 GEMM, float32 accumulation, the result
+               rounded to bf16.
 dequant_fp32   dequant with float32 blocks at every batch size (the exact path on every CPU).
 =============  ==================================================================================
 
