@@ -19,19 +19,17 @@
  * Built with the rest of csrc/ for -march=native: where the CPU has no AMX the GEMM reports so
  * (fb_amx_int8_ready() == 0) and fewbits keeps torch._int_mm; the quantizers and packers below
  * have AVX-512 paths and scalar C for other CPUs (tests/kernels/test_int8mm.py builds all). Linux grants a process AMX's
- * tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which fb_amx_int8_ready makes.
+ * tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which fb_amx_int8_ready makes (tiles.h).
  */
-#define _GNU_SOURCE
+#include "tiles.h" /* first: the tile state (tiles_permitted, tiles_begin / tiles_end) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
-#include <sys/syscall.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FB_V512 1 /* the vector paths of the quantizers and packers */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(FB_TILE_STATE) && defined(__AMX_INT8__)
 #define FB_AMX 1 /* the tile GEMM */
 #endif
 #endif
@@ -40,15 +38,9 @@
 #include <omp.h>
 #endif
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
 int fb_amx_int8_ready(void) {
 #ifdef FB_AMX
-    static int state = -1;
-    if (state < 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
-    return state;
+    return tiles_permitted();
 #else
     return 0;
 #endif
@@ -98,22 +90,6 @@ void fb_amx_pack_b(const int8_t *b, int64_t n, int64_t k, int64_t ldb, int8_t *o
 }
 
 #ifdef FB_AMX
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} fb_tilecfg;
-
-static void configure_tiles(void) {
-    fb_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* the sums of one 32 x 32 block in tiles 0-3 (stored by store_tiles) */
 static void block(const int8_t *a, int64_t lda, const int8_t *bp0, const int8_t *bp1, int64_t kb0, int64_t kb1,
@@ -207,7 +183,7 @@ int fb_amx_gemm_s8(const int8_t *a, int64_t m, int64_t kp, int64_t lda, const in
     enum { NGROUP = 8, KCHUNK = 8 };
 #pragma omp parallel
     {
-        configure_tiles();
+        tiles_begin();
         /* two buffers: the rescale of one block runs while the tile unit sums the next */
         int32_t acc[2][4][16][16] __attribute__((aligned(64)));
         int32_t part[NGROUP][4][16][16] __attribute__((aligned(64)));
@@ -238,7 +214,7 @@ int fb_amx_gemm_s8(const int8_t *a, int64_t m, int64_t kp, int64_t lda, const in
         }
         if (prev_i >= 0)
             store(acc[cur ^ 1], prev_i, prev_j, m_out, n_out, da, db, bias, out, ldo, kind);
-        _tile_release();
+        tiles_end();
     }
     return 0;
 #else

@@ -1,4 +1,9 @@
-/* The AMX-BF16 tile multiply that fewbits' weight-only batches share: y [M, N] float32 =
+/* AMX tiles for fewbits' C kernels. First, the tile state every tile kernel needs (int8mm.c's
+ * int8 GEMM too): Linux's grant of the tile registers (tiles_permitted) and the configuration of
+ * eight 16 x 64-byte tiles (tiles_begin / tiles_end): FB_TILE_STATE where the compiler targets
+ * AMX on Linux. Then, FB_TILES where it also targets AMX-BF16:
+ *
+ * the AMX-BF16 tile multiply that fewbits' weight-only batches share: y [M, N] float32 =
  * x [M, K] bfloat16 @ Wb.T, where Wb is the weight decoded to bfloat16 by its own kernel (lut4.c,
  * int8w.c) 32 rows at a time into a small buffer that stays in the core's caches and is
  * multiplied at once, so that no decoded weight ever goes to memory (the GEMM on decoded blocks
@@ -21,20 +26,17 @@
  * bfloat16 GEMM on decoded blocks). Include before any system header (it needs syscall()). */
 #ifndef FEWBITS_TILES_H
 #define FEWBITS_TILES_H
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
-#define FB_TILES 1
+#if defined(__AMX_TILE__) && defined(__linux__)
+#define FB_TILE_STATE 1
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 long syscall(long number, ...); /* <unistd.h> declares it only outside strict C99 */
 
-#define TILE_ROWS 32 /* weight rows per block: two A tiles */
-
 /* whether this process may use the tile registers (asked of Linux once; call outside parallel
  * regions: the grant is for the whole process, its threads included) */
-static int tiles_permitted(void) {
+static inline int tiles_permitted(void) {
     static int state; /* 0: not asked yet, 1: granted, -1: refused */
     if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
     return state > 0;
@@ -46,7 +48,7 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 /* each thread before its first tile instruction: eight tiles of 16 rows of 64 bytes */
-static void tiles_begin(void) {
+static inline void tiles_begin(void) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -57,7 +59,12 @@ static void tiles_begin(void) {
     _tile_loadconfig(&c);
 }
 /* each thread after its last: the tiles back to their initial state (oneDNN configures its own) */
-static void tiles_end(void) { _tile_release(); }
+static inline void tiles_end(void) { _tile_release(); }
+#endif
+
+#if defined(FB_TILE_STATE) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FB_TILES 1
+#define TILE_ROWS 32 /* weight rows per block: two A tiles */
 
 /* The B operand: xp [kp / 2][Mp] pairs, xp[r][m] = (x[m, 2r], x[m, 2r + 1]) for x [M, kx] (row
  * stride ldx elements) as bfloat16, zero for m >= M and k >= kx; kp = kx rounded up to 32, Mp = M
@@ -67,7 +74,7 @@ static void tiles_end(void) { _tile_release(); }
  * normal bfloat16, 2^-126, counts as zero where it would not), a NaN stays some NaN. Pairs
  * r0 .. r1 (the threads share them out): 16 rows of x at a time, each pair of theirs one gather
  * (two of float32). */
-static void tiles_pack_x(const void *x, int x_f32, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp,
+static inline void tiles_pack_x(const void *x, int x_f32, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp,
                          int64_t r0, int64_t r1) {
     const int64_t full = kx / 2; /* pairs with both columns inside x */
     const int64_t esize = x_f32 ? 4 : 2;
@@ -105,7 +112,7 @@ static void tiles_pack_x(const void *x, int x_f32, int64_t ldx, int64_t M, int64
  * m < M, times scale[i] where scale is not NULL (one float32 product): w the block's bfloat16
  * rows (row stride ldw >= 32 ksteps elements, TILE_ROWS rows, those from nv on zero), xp as
  * tiles_pack_x made it. Between tiles_begin() and tiles_end(). */
-static void tiles_block(const uint16_t *w, int64_t ldw, int64_t ksteps, const uint32_t *xp, int64_t Mp, int64_t M,
+static inline void tiles_block(const uint16_t *w, int64_t ldw, int64_t ksteps, const uint32_t *xp, int64_t Mp, int64_t M,
                         float *y, int64_t ldy, int64_t nv, const float *scale) {
     float c[4][256] __attribute__((aligned(64))); /* C tiles: [weight row][row of x] */
     const int64_t wb = ldw * 2, xb = Mp * 4;
