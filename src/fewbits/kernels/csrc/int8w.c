@@ -135,6 +135,36 @@ int32_t fb_int8w_row(const Int8WRow *r, const float *x, float *y) {
 
 int32_t fb_int8w_max_rows(void) { return INT8W_MAX_M; }
 
+#if defined(FB_TILES)
+/* an int8 weight for tiles_matmul: its codes as bfloat16 (exact) */
+typedef struct {
+    const int8_t *q;
+    int64_t K;
+} Int8Tiles;
+static void int8_tile_rows(const void *ctx, int64_t n0, int64_t nv, int64_t kx, int64_t kp, uint16_t *wb, int64_t ldw,
+                           int thread) {
+    const Int8Tiles *c = (const Int8Tiles *)ctx;
+    (void)thread;
+    for (int64_t i = 0; i < nv; i++) {
+        const int8_t *qr = c->q + (n0 + i) * c->K;
+        uint16_t *o = wb + i * ldw;
+        int64_t k = 0;
+        for (; k + 16 <= kx; k += 16) { /* a code as float32 is exact, its high half its bfloat16 */
+            const __m512i f = _mm512_castps_si512(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + k)))));
+            _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
+        }
+        for (; k < kx; k++) {
+            const float f = (float)qr[k];
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            o[k] = (uint16_t)(u >> 16);
+        }
+        memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
+    }
+}
+#endif
+
 /* y [M, N] float32 = (x [M, K] bfloat16 bit patterns, or float32 where x_f32 (rounded to bfloat16
  * in the call, see tiles.h's tiles_pack_x), row stride ldx >= K) @ q.T, each output's float32 sum
  * (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS, see tiles.h)
@@ -149,52 +179,8 @@ int32_t fb_int8w_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t 
 #else
     if (!tiles_permitted()) return -3;
     if (M == 0 || N == 0) return 0;
-    const int64_t ksteps = (K + 31) / 32, kp = 32 * ksteps, Mp = (M + 15) / 16 * 16;
-    const int64_t threads = MAX_THREADS, nblocks = (N + TILE_ROWS - 1) / TILE_ROWS;
-    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(kp / 2 * Mp));
-    uint16_t *wbuf = malloc(sizeof(uint16_t) * (size_t)(threads * TILE_ROWS * kp));
-    if (!xp || !wbuf) {
-        free(xp);
-        free(wbuf);
-        return -2;
-    }
-#pragma omp parallel if (nblocks > 1)
-    {
-        {
-            const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
-            tiles_pack_x(x, x_f32, ldx, M, K, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
-        }
-#pragma omp barrier
-        tiles_begin();
-        uint16_t *wb = wbuf + (int64_t)THREAD_ID * TILE_ROWS * kp;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
-            for (int64_t i = 0; i < nv; i++) {
-                const int8_t *qr = q + (n0 + i) * K;
-                uint16_t *o = wb + i * kp;
-                int64_t k = 0;
-                for (; k + 16 <= K; k += 16) { /* a code as float32 is exact, its high half its bfloat16 */
-                    const __m512i f = _mm512_castps_si512(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + k)))));
-                    _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
-                }
-                for (; k < K; k++) {
-                    const float f = (float)qr[k];
-                    uint32_t u;
-                    memcpy(&u, &f, 4);
-                    o[k] = (uint16_t)(u >> 16);
-                }
-                memset(o + K, 0, sizeof(uint16_t) * (size_t)(kp - K));
-            }
-            for (int64_t i = nv; i < TILE_ROWS; i++) memset(wb + i * kp, 0, sizeof(uint16_t) * (size_t)kp);
-            tiles_block(wb, kp, ksteps, xp, Mp, M, y + n0, N, nv, s + n0);
-        }
-        tiles_end();
-    }
-    free(xp);
-    free(wbuf);
-    return 0;
+    const Int8Tiles ctx = {q, K};
+    return tiles_matmul(x, x_f32, ldx, K, M, N, (K + 31) / 32 * 32, int8_tile_rows, &ctx, s, y);
 #endif
 }
 

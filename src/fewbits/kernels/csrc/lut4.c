@@ -820,6 +820,30 @@ int32_t fb_tiles(void) {
 #endif
 }
 
+#if defined(FB_TILES)
+/* a lut4 weight for tiles_matmul: its rows decoded to bfloat16 (decode_row_tiles where the groups
+ * allow, else decode_row), each thread's row of converted parameters in scratch */
+typedef struct {
+    const uint8_t *codes;
+    const Params *P;
+    Table table;
+    int64_t K, group, groups;
+    float *scratch;
+} Lut4Tiles;
+static void lut4_tile_rows(const void *ctx, int64_t n0, int64_t nv, int64_t kx, int64_t kp, uint16_t *wb, int64_t ldw,
+                           int thread) {
+    const Lut4Tiles *c = (const Lut4Tiles *)ctx;
+    float *bs = c->scratch + (int64_t)thread * 3 * c->groups;
+    for (int64_t i = 0; i < nv; i++) {
+        uint16_t *o = wb + i * ldw;
+        const RowParams rp = row_params(c->P, n0 + i, c->groups, bs, bs + c->groups, bs + 2 * c->groups);
+        if (!decode_row_tiles(c->codes, rp, c->table, c->K, c->group, n0 + i, o))
+            decode_row(c->codes, rp, c->table, c->K, c->group, n0 + i, o, 1);
+        memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
+    }
+}
+#endif
+
 /* y [M, N] float32 = x [M, kx] @ bf16(W).T, x bfloat16 bit patterns or float32 (x_f32: rounded
  * to bfloat16 in the call, see tiles_pack_x), row stride ldx, kx <= K (W's columns from kx on are
  * not read), on AMX tiles (tiles.h): the rows of W decoded 32 at a time to bfloat16 -- bf16 of
@@ -843,47 +867,13 @@ int32_t fb_lut4_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t k
         memset(y, 0, sizeof(float) * (size_t)(M * N));
         return 0;
     }
-    const Table table = table_load(table16);
-    const int64_t groups = K / group, ksteps = (kx + 31) / 32, kp = 32 * ksteps, Mp = (M + 15) / 16 * 16;
-    const int64_t threads = MAX_THREADS, nblocks = (N + TILE_ROWS - 1) / TILE_ROWS;
-    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(kp / 2 * Mp));
-    uint16_t *wbuf = malloc(sizeof(uint16_t) * (size_t)(threads * TILE_ROWS * K));
-    float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * threads + 1));
-    if (!xp || !wbuf || !scratch) {
-        free(xp);
-        free(wbuf);
-        free(scratch);
-        return -2;
-    }
-#pragma omp parallel if (nblocks > 1)
-    {
-        {
-            const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
-            tiles_pack_x(x, x_f32, ldx, M, kx, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
-        }
-#pragma omp barrier
-        tiles_begin();
-        uint16_t *wb = wbuf + (int64_t)THREAD_ID * TILE_ROWS * K;
-        float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
-            for (int64_t i = 0; i < nv; i++) {
-                uint16_t *o = wb + i * K;
-                const RowParams rp = row_params(P, n0 + i, groups, bs, bs + groups, bs + 2 * groups);
-                if (!decode_row_tiles(codes, rp, table, K, group, n0 + i, o)) decode_row(codes, rp, table, K, group, n0 + i, o, 1);
-                /* the columns from kx to the last step's end multiply x's zeros: zero, not NaN */
-                memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
-            }
-            for (int64_t i = nv; i < TILE_ROWS; i++) memset(wb + i * K, 0, sizeof(uint16_t) * (size_t)kp);
-            tiles_block(wb, K, ksteps, xp, Mp, M, y + n0, N, nv, NULL);
-        }
-        tiles_end();
-    }
-    free(xp);
-    free(wbuf);
+    const int64_t groups = K / group;
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
+    if (!scratch) return -2;
+    const Lut4Tiles ctx = {codes, P, table_load(table16), K, group, groups, scratch};
+    const int32_t rc = tiles_matmul(x, x_f32, ldx, kx, M, N, K, lut4_tile_rows, &ctx, NULL, y);
     free(scratch);
-    return 0;
+    return rc;
 #endif
 }
 

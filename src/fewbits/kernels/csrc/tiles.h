@@ -30,8 +30,10 @@
 #define FB_TILE_STATE 1
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include "threads.h"
 long syscall(long number, ...); /* <unistd.h> declares it only outside strict C99 */
 
 /* whether this process may use the tile registers (asked of Linux once; call outside parallel
@@ -164,6 +166,54 @@ static inline void tiles_block(const uint16_t *w, int64_t ldw, int64_t ksteps, c
             }
         }
     }
+}
+
+/* One weight's rows as bfloat16 for tiles_matmul: rows n0 .. n0 + nv (nv <= TILE_ROWS) of W into
+ * wb (row stride ldw), each row's columns from kx up to kp zero (they meet x's zeros: a NaN
+ * there must not reach the sums); `thread` picks the caller's scratch. */
+typedef void (*TileDecode)(const void *ctx, int64_t n0, int64_t nv, int64_t kx, int64_t kp, uint16_t *wb,
+                           int64_t ldw, int thread);
+
+/* y [M, N] float32 = x [M, kx] (bfloat16 bit patterns, or float32 where x_f32; row stride ldx)
+ * @ W.T, W decoded by decode(ctx, ...) TILE_ROWS rows at a time into each thread's buffer (row
+ * stride ldw >= kx rounded up to 32), each block multiplied there at once (tiles_block) and its
+ * outputs times scale[n] where scale is not NULL. x is laid out first (tiles_pack_x), its pairs
+ * shared out over the threads; then blocks of rows over torch's OpenMP threads, each output summed
+ * by one thread in one order whatever their number. M, N, kx > 0; after tiles_permitted().
+ * Returns 0, or -2 when its buffers cannot be allocated. */
+static inline int32_t tiles_matmul(const void *x, int x_f32, int64_t ldx, int64_t kx, int64_t M, int64_t N,
+                                   int64_t ldw, TileDecode decode, const void *ctx, const float *scale, float *y) {
+    const int64_t ksteps = (kx + 31) / 32, kp = 32 * ksteps, Mp = (M + 15) / 16 * 16;
+    const int64_t threads = MAX_THREADS, nblocks = (N + TILE_ROWS - 1) / TILE_ROWS;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(kp / 2 * Mp));
+    uint16_t *wbuf = malloc(sizeof(uint16_t) * (size_t)(threads * TILE_ROWS * ldw));
+    if (!xp || !wbuf) {
+        free(xp);
+        free(wbuf);
+        return -2;
+    }
+#pragma omp parallel if (nblocks > 1)
+    {
+        {
+            const int64_t pairs = kp / 2, nt = TEAM_THREADS, t = THREAD_ID;
+            tiles_pack_x(x, x_f32, ldx, M, kx, Mp, xp, pairs * t / nt, pairs * (t + 1) / nt);
+        }
+#pragma omp barrier
+        tiles_begin();
+        const int thread = THREAD_ID;
+        uint16_t *wb = wbuf + (int64_t)thread * TILE_ROWS * ldw;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * TILE_ROWS, nv = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
+            decode(ctx, n0, nv, kx, kp, wb, ldw, thread);
+            for (int64_t i = nv; i < TILE_ROWS; i++) memset(wb + i * ldw, 0, sizeof(uint16_t) * (size_t)kp);
+            tiles_block(wb, ldw, ksteps, xp, Mp, M, y + n0, N, nv, scale ? scale + n0 : NULL);
+        }
+        tiles_end();
+    }
+    free(xp);
+    free(wbuf);
+    return 0;
 }
 #endif
 #endif
