@@ -169,3 +169,48 @@ def test_tile_matmuls_refuse_what_they_cannot_take():
     if TILES:  # no rows, no columns
         assert w.tile_matmul(LIB, torch.ones(0, 32, dtype=torch.bfloat16)).shape == (0, 32)
         assert torch.equal(w.tile_matmul(LIB, torch.ones(2, 0, dtype=torch.bfloat16)), torch.zeros(2, 32))
+
+
+_WIDE_STRIDE = r'''
+import torch
+from fewbits.kernels import native
+from fewbits.quant.modules import QuantLinear
+torch.set_num_threads(1)
+LIB = native.library()
+g = torch.Generator().manual_seed(1)
+
+
+def wide(dtype, k):
+    """16 rows of x [16, k] whose row stride times 15 is past 2^31 bytes (the pages between the
+    rows are never touched: virtual memory only)"""
+    ld = 2 ** 31 // (15 * torch.finfo(dtype).bits // 8) + 64
+    big = torch.empty(15 * ld + k, dtype=dtype)
+    x = big.as_strided((16, k), (ld, 1))
+    x.copy_(torch.randn(16, k, generator=g).to(dtype))
+    return x
+
+
+torch.manual_seed(0)
+q = QuantLinear.from_linear(torch.nn.Linear(576, 64), "nf4")
+x = wide(torch.float32, 576)  # not contiguous: forward's general path, float32 x into the tile call
+with torch.inference_mode():
+    assert torch.equal(q(x), q(x.contiguous()))
+del x
+w = native.Int8Weight(torch.randint(-128, 128, (32, 64), generator=g, dtype=torch.int8), torch.rand(32) + 0.1)
+x = wide(torch.bfloat16, 64)
+assert torch.equal(w.tile_matmul(LIB, x), w.tile_matmul(LIB, x.contiguous()))
+print("ok")
+'''
+
+
+@needs_tiles
+@pytest.mark.xfail(strict=True, reason="tiles_pack_x gathers with int32 byte offsets lane * esize * ldx: a row "
+                   "stride past 2^31 / (15 * element size) wraps and reads outside x (SIGSEGV)")
+def test_tiles_take_x_with_a_row_stride_past_int32_offsets():
+    """A row-strided view of a large tensor (here 16 rows 143 MB apart) is a valid x: the gathers
+    of tiles_pack_x must not overflow their 32-bit offsets (or such an x must be copied first)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _WIDE_STRIDE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
