@@ -27,7 +27,9 @@ BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 @pytest.fixture(scope="module", params=BUILDS)
 def lib(request, tmp_path_factory):
-    return build_c_source(SRC, request.param, tmp_path_factory.mktemp(request.param), native.declare_int8mm, ("-fopenmp",))
+    # with rowquant.c, whose activation quantizer fb_w8a8_amx_row calls
+    return build_c_source(SRC, request.param, tmp_path_factory.mktemp(request.param), native.declare_int8mm,
+                          ("-fopenmp", str(SRC.with_name("rowquant.c"))))
 
 
 def _bf16(shape, seed, scale=3.0):

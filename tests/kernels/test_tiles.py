@@ -204,8 +204,6 @@ print("ok")
 
 
 @needs_tiles
-@pytest.mark.xfail(strict=True, reason="tiles_pack_x gathers with int32 byte offsets lane * esize * ldx: a row "
-                   "stride past 2^31 / (15 * element size) wraps and reads outside x (SIGSEGV)")
 def test_tiles_take_x_with_a_row_stride_past_int32_offsets():
     """A row-strided view of a large tensor (here 16 rows 143 MB apart) is a valid x: the gathers
     of tiles_pack_x must not overflow their 32-bit offsets (or such an x must be copied first)."""

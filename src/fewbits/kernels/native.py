@@ -595,6 +595,12 @@ def declare_int8mm(lib: ctypes.CDLL) -> None:
     lib.fb_amx_gemm_s8.restype = i32
     lib.fb_amx_pack_bt.argtypes = [p, i64, i64, i64, p]
     lib.fb_amx_pack_bt.restype = None
+    lib.fb_amx_gemv_ready.argtypes = []
+    lib.fb_amx_gemv_ready.restype = i32
+    lib.fb_amx_gemv_u8.argtypes = [p, i64, p, i64, p, ctypes.c_float, p, p, p]
+    lib.fb_amx_gemv_u8.restype = i32
+    lib.fb_w8a8_amx_row.argtypes = [p, p, p]
+    lib.fb_w8a8_amx_row.restype = i32
     lib.fb_q8_rows_bf16.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.fb_q8_rows_bf16.restype = None
     lib.fb_q8_cols_bf16.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, p]
@@ -741,6 +747,97 @@ def amx_int8_ready(lib: ctypes.CDLL) -> bool:
 
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2}
+
+AMX_GEMV_MAX_K = 65536  # fb_amx_gemv_u8's sums stay exact in int32 up to this reduction length
+
+
+def amx_w8a8_ready(lib: ctypes.CDLL) -> bool:
+    """Whether Int8Panels runs here: int8mm.c's AMX GEMM and its VNNI one-row kernel."""
+    return bool(lib.fb_amx_gemv_ready())
+
+
+def w8a8_amx_row_rc(rc: int) -> None:
+    """Raise for a non-zero return code of fb_w8a8_amx_row."""
+    if rc == -3:
+        raise ValueError(NONFINITE_ACTIVATIONS)
+    if rc:
+        raise (MemoryError("the w8a8 row kernel could not allocate its buffer") if rc == -2
+               else RuntimeError("the w8a8 row kernel cannot run here"))
+
+
+class _W8A8Row(ctypes.Structure):
+    """int8mm.c's W8A8Row: a w8a8 weight's fixed arguments for one row of x."""
+    _fields_ = [("bp", ctypes.c_void_p), ("colsum128", ctypes.c_void_p), ("sw", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class Int8Panels:
+    """An int8 weight W [n, k] packed once into int8mm.c's AMX panels (fb_amx_pack_b), with 128 times
+    its row sums, for w8a8 inference: y = (float32(q @ W.T) * sx[:, None]) * sw[None, :] (+ bias),
+    the int32 sums exact -- batches of int8 activations q on the tiles (fb_amx_gemm_s8, rows padded
+    to 32), one row with VNNI dot products over the same panels (fb_amx_gemv_u8), the same float32
+    steps, so a row gives the bits it gives inside a batch. The panels are the only copy of the
+    codes: codes(panels, n, k) derives them."""
+
+    def __init__(self, lib: ctypes.CDLL, q: torch.Tensor):
+        if q.dtype != torch.int8 or q.dim() != 2 or q.device.type != "cpu":
+            raise ValueError(f"q must be a 2-D CPU int8 tensor, got {q.dtype} {tuple(q.shape)}")
+        n, k = q.shape
+        if not 0 < k <= AMX_GEMV_MAX_K:
+            raise ValueError(f"rows of 1 to {AMX_GEMV_MAX_K} codes, got {k}")
+        q = q.contiguous()
+        self.n, self.k, self.kp = int(n), int(k), -(-int(k) // 64) * 64
+        self.panels = torch.empty(lib.fb_amx_packed_bytes(n, k), dtype=torch.int8)
+        lib.fb_amx_pack_b(q.data_ptr(), n, k, k, self.panels.data_ptr())
+        self.colsum128 = (q.sum(1, dtype=torch.int32) * 128).to(torch.int32).contiguous()
+
+    @staticmethod
+    def codes(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """W [n, k] int8 from its panels: panel (nb, kb) row r byte 4c + j = W[16 nb + c][64 kb + 4 r + j]."""
+        kb_n = -(-k // 64)
+        p = panels.view(-1, kb_n, 16, 16, 4).permute(0, 3, 1, 2, 4)  # [nb, c, kb, r, j]
+        return p.reshape(-1, kb_n * 64)[:n, :k].contiguous()
+
+    def row_call(self, sw: torch.Tensor) -> int:
+        """The address of this weight's arguments (and the weight scales sw [n] float32, held
+        with them) for int8mm.c's fb_w8a8_amx_row(address, x, y): one contiguous float32 row x
+        [k] quantized per token in C, then the one-row kernel, without a bias: what QuantLinear's
+        general path computes for it, bit for bit. Valid while this object lives."""
+        sw = sw.reshape(-1).to(torch.float32).contiguous()
+        if sw.numel() != self.n:
+            raise ValueError(f"sw needs {self.n} values, got {sw.numel()}")
+        r = _W8A8Row(self.panels.data_ptr(), self.colsum128.data_ptr(), sw.data_ptr(), self.n, self.k)
+        self._row_args = getattr(self, "_row_args", []) + [(r, sw)]
+        return ctypes.addressof(r)
+
+    def matmul(self, lib: ctypes.CDLL, q: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """q [M, k]: int8 codes, or uint8 codes + 128 for one row (M == 1: the VNNI kernel's
+        operand); sx [M] (or [1]), sw [n], bias [n] or None: float32 -> y [M, n] float32."""
+        m = q.shape[0]
+        if q.dim() != 2 or q.shape[1] != self.k or q.dtype != (torch.uint8 if m == 1 else torch.int8):
+            raise ValueError(f"q must be [M, {self.k}], uint8 (+128) for one row, int8 for more; got "
+                             f"{q.dtype} {tuple(q.shape)}")
+        for v, size, name in ((sx, m, "sx"), (sw, self.n, "sw"), (bias, self.n, "bias")):
+            if v is not None and (v.dtype != torch.float32 or v.numel() not in (size, 1 if name == "sx" else size)):
+                raise ValueError(f"{name} must be {size} float32 values")
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        b = None if bias is None else bias.contiguous().data_ptr()
+        if m == 1:
+            xu = q if self.kp == self.k else torch.nn.functional.pad(q, (0, self.kp - self.k))
+            xu = xu.contiguous()
+            rc = lib.fb_amx_gemv_u8(xu.data_ptr(), self.kp, self.panels.data_ptr(), self.n, self.colsum128.data_ptr(),
+                                    float(sx.reshape(-1)[0]), sw.data_ptr(), b, y.data_ptr())
+        else:
+            mp = -(-m // 32) * 32
+            a = q if (mp == m and self.kp == self.k and q.is_contiguous()) else \
+                torch.nn.functional.pad(q, (0, self.kp - self.k, 0, mp - m))
+            da = sx.reshape(-1).expand(m).contiguous()
+            rc = lib.fb_amx_gemm_s8(a.data_ptr(), mp, self.kp, self.kp, self.panels.data_ptr(), self.n, da.data_ptr(),
+                                    sw.data_ptr(), b, m, self.n, y.data_ptr(), self.n, 0)
+        if rc != 0:
+            raise RuntimeError("the AMX int8 kernels refused their arguments")
+        return y
 
 
 def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torch.Tensor | None,

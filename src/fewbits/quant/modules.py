@@ -20,6 +20,11 @@ int8pack       int8 weight-only, per channel or tensor, in_features % 16 == 0: u
                them and tile_batch allows (csrc/tiles.h: 32 rows of codes at a time, float32
                sums times the float32 row scales), else in oneDNN's bf16 GEMM (the sums rounded
                to bf16, then times the scales).
+w8a8_amx       int8 weights + dynamic per-token (or per-tensor) int8 activations on CPUs with AMX
+               (native.Int8Panels, csrc/int8mm.c): the weight packed once into AMX panels (its
+               only copy), batches on the int8 tiles (TDPBSSD), one row with VNNI dot products
+               over the same panels; exact int32 sums, y = (float(sum) * sx) * sw (+ bias), the
+               same float32 steps for a row and a batch.
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
 w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
                only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
@@ -97,7 +102,7 @@ from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
-KERNELS = ("int4pack", "int8pack", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
+KERNELS = ("int4pack", "int8pack", "w8a8_amx", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 # values decoded per block on the dequant path (8 MiB of float32; bfloat16 blocks twice as many
 # values, 8 MiB). Blocks of 2^18 values (1 MiB) left batches of 16-256 rows of 4096-wide layers
@@ -412,6 +417,12 @@ def cpu_int8_gemm_exact(kernel: str) -> bool:
         prepare=ops.onednn_prepack_int8)
 
 
+def _w8a8_amx_runs(k: int) -> bool:
+    """Whether int8mm.c's AMX kernels (native.Int8Panels) run a w8a8 layer of rows of k here."""
+    lib = native.library()
+    return lib is not None and 0 < k <= native.AMX_GEMV_MAX_K and native.amx_w8a8_ready(lib)
+
+
 def available_kernels(scheme, shape, device="cpu") -> list[str]:
     """The kernels that can run a weight of `shape` [out, in] in `scheme` on `device`, fastest
     first (the first one is what kernel="auto" picks). Off the CPU: w8a8_int_mm (CUDA; both
@@ -435,6 +446,8 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
         if _w4a8_kernel(s, (n, k)):
             out.append("w4a8")
         if _int8_weight(s) and _w8a8_activations_fast(s.activations):
+            if _w8a8_amx_runs(k):
+                out.append("w8a8_amx")
             if ops.onednn_int8_available() and cpu_int8_gemm_exact("w8a8_onednn"):
                 out.append("w8a8_onednn")
             if cpu_int8_gemm_exact("w8a8_int_mm"):
@@ -639,6 +652,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         self._lut4w = None
         self._w4a8w = None
         self._int8w = None
+        self._panels = None
         self._qweight = getattr(self, f"_build_{kernel}")(qweight)
         self._row = self._row_path(kernel)
         self._tiles = self._tile_path(kernel, self._row)
@@ -657,12 +671,21 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             w, call = self._w4a8w, ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
         elif kernel == "int8pack" and self._int8w is not None:
             w, call = self._int8w, ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
+        elif kernel == "w8a8_amx" and self._row_quantizer_is_cs():
+            sw = self._qweight.kernel_tensors["weight_scales"]
+            w, call = self._panels, ("fb_w8a8_amx_row", self._panels.row_call(sw), native.w8a8_amx_row_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
               and self._qweight.scheme.activations is None):
             w, call = self._lut4w, ("fb_lut4_row", self._lut4w.row_call(self.in_features), native.lut4_rc)
         else:
             return None
         return call + (tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5)), w)
+
+    def _row_quantizer_is_cs(self) -> bool:
+        """Whether one row's activations are quantized as fb_w8a8_amx_row does in C: per token (or
+        per tensor: one row is both) with float32 scales."""
+        a = self.scheme.activations
+        return a is not None and a.scale_format == "fp32" and a.granularity in ("channel", "tensor")
 
     def _row_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """forward(x) through _row_path's C call, or None where it does not apply."""
@@ -698,7 +721,10 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 lib = native.library()  # None inside native.turned_off()
                 if lib is not None and native.tiles(lib):
                     y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
-                    t[2](getattr(lib, t[0])(t[1], x.data_ptr(), rows, y.data_ptr()))
+                    rc = getattr(lib, t[0])(t[1], x.data_ptr(), rows, y.data_ptr())
+                    if rc == -3:  # the tiles refused after all: the general path
+                        return None
+                    t[2](rc)
                     return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
         return None
 
@@ -711,6 +737,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         state.pop("_lut4w", None)
         state.pop("_w4a8w", None)
         state.pop("_int8w", None)
+        state.pop("_panels", None)
         state.pop("_row", None)
         state.pop("_tiles", None)
         return state
@@ -820,6 +847,17 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
     def _build_w8a8_fp8(self, qt: QuantizedTensor) -> QuantizedTensor:
         w = qt.codes.view(torch.float8_e4m3fn).view(self.out_features, self.in_features)  # OCP E4M3 bits
         return KernelQuantizedTensor(qt, {"weight": w, "weight_scales": self._weight_scales(qt).reshape(1, -1)})
+
+    def _build_w8a8_amx(self, qt: QuantizedTensor) -> QuantizedTensor:
+        n, k = self.out_features, self.in_features
+        lib = native.library()
+        if lib is None:  # native.turned_off() at construction: where w8a8_amx was chosen before
+            raise RuntimeError("the w8a8_amx kernel needs fewbits' native library")
+        panels = native.Int8Panels(lib, qt.codes.view(torch.int8).view(n, k))
+        self._panels = panels
+        return KernelQuantizedTensor(
+            qt, {"panels": panels.panels, "colsum128": panels.colsum128, "weight_scales": self._weight_scales(qt)},
+            codes_from_kernel=lambda kt: native.Int8Panels.codes(kt["panels"], n, k).view(torch.uint8).reshape(-1))
 
     def _build_w8a8_onednn(self, qt: QuantizedTensor) -> QuantizedTensor:
         n, k = self.out_features, self.in_features
@@ -971,6 +1009,19 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             return ops.quantize_rows_int8(x2d, a.granularity == "channel",
                                           None if fp32 else lambda v: sc.round_scales(v, a.scale_format),
                                           saturate=not fp32, offset=offset)
+
+    def _forward_w8a8_amx(self, x2d, bias, dtype):
+        lib = native.library()
+        if lib is None or x2d.device.type != "cpu":  # native.turned_off(): the exact torch path
+            return self._forward_dequant(x2d, bias, dtype)
+        one = x2d.shape[0] == 1
+        q, sx = self._activations(x2d, offset=one)  # uint8 q + 128 for the one-row kernel
+        fuse = bias is not None and bias.dtype == torch.float32 and dtype == torch.float32
+        y = self._panels.matmul(lib, q, sx, self._qweight.kernel_tensors["weight_scales"], bias if fuse else None)
+        if fuse or (bias is None and dtype == torch.float32):
+            return y
+        with ops.one_thread_if_small(y.numel()):
+            return _with_bias(y, bias, dtype)
 
     def _forward_w8a8_onednn(self, x2d, bias, dtype):
         q_u8, sx = self._activations(x2d, offset=True)

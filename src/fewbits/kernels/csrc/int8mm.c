@@ -23,6 +23,7 @@
  */
 #include "tiles.h" /* first: the tile state (tiles_permitted, tiles_begin / tiles_end) */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -167,6 +168,90 @@ static void store(int32_t acc[4][16][16], int64_t i0, int64_t j0, int64_t m_out,
 }
 #endif
 
+/* 1 where fb_amx_gemv_u8 runs here (AMX and VNNI in the build, the tile state granted) */
+int fb_amx_gemv_ready(void) {
+#if defined(FB_AMX) && defined(__AVX512VNNI__)
+    return fb_amx_int8_ready();
+#else
+    return 0;
+#endif
+}
+
+/* One row of activations against the packed B (fb_amx_pack_b's panels), for inference's decode
+ * step, where a tile GEMM would pad the row to 32: y[j] = (float(acc[j]) * sa) * db[j] (+ bias[j])
+ * for j < n, acc[j] = sum_k xq[k] * B[j][k] exact in int32 -- the same sums and the same float32
+ * steps as fb_amx_gemm_s8's store, bit for bit. AVX512-VNNI's vpdpbusd multiplies unsigned by
+ * signed bytes: xu holds xq + 128 (kp = k rounded up to 64 bytes; the panels' padding is zero, so
+ * xu's padding adds nothing) and colsum128[j] = 128 * sum_k B[j][k] comes off each sum. Exact while
+ * k <= 65536 (|sum| <= 255 * 128 * k < 2^31). The panels of 16 columns are shared out over torch's
+ * OpenMP threads. Returns 0, or -1 where the build has no AMX or VNNI (nothing written). */
+int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, const int32_t *colsum128, float sa,
+                   const float *db, const float *bias, float *y) {
+#if defined(FB_AMX) && defined(__AVX512VNNI__)
+    if (kp % 64 || kp > 65536 || n < 0) return -1;
+    const int64_t kb_n = kp / 64, panels = (n + 15) / 16;
+#pragma omp parallel for schedule(static) if (panels >= 16)
+    for (int64_t nb = 0; nb < panels; nb++) {
+        const int8_t *p = bp + nb * kb_n * 1024;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t kb = 0; kb < kb_n; kb++, p += 1024) {
+            const int32_t *xw = (const int32_t *)(xu + 64 * kb); /* 16 words of 4 activations */
+            __builtin_prefetch(p + 8 * 1024);
+            __builtin_prefetch(p + 8 * 1024 + 512);
+            for (int r = 0; r < 16; r += 4) {
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(xw[r]), _mm512_loadu_si512(p + 64 * r));
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(xw[r + 1]), _mm512_loadu_si512(p + 64 * r + 64));
+                a2 = _mm512_dpbusd_epi32(a2, _mm512_set1_epi32(xw[r + 2]), _mm512_loadu_si512(p + 64 * r + 128));
+                a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(xw[r + 3]), _mm512_loadu_si512(p + 64 * r + 192));
+            }
+        }
+        const int64_t j = 16 * nb, w = n - j < 16 ? n - j : 16;
+        const __mmask16 mk = (__mmask16)((1u << w) - 1u);
+        const __m512i acc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                                             _mm512_maskz_loadu_epi32(mk, colsum128 + j));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sa));
+        if (db) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, db + j));
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + j));
+        _mm512_mask_storeu_ps(y + j, mk, v);
+    }
+    return 0;
+#else
+    (void)xu, (void)kp, (void)bp, (void)n, (void)colsum128, (void)sa, (void)db, (void)bias, (void)y;
+    return -1;
+#endif
+}
+
+/* rowquant.c's dynamic int8 quantizer (the arithmetic of fewbits.quant.quantize with an int8
+ * absmax scheme and float32 scales) */
+int64_t fb_row_int8_scales(const float *x, int64_t m, int64_t k, int64_t ld, float *scale, float *recip);
+void fb_quantize_rows_int8(const float *x, int64_t m, int64_t k, int64_t ld, const float *recip,
+                           int64_t recip_stride, uint8_t *q, int32_t offset);
+
+/* A w8a8 weight's fixed arguments for fb_w8a8_amx_row (native.Int8Panels.row_call) */
+typedef struct {
+    const int8_t *bp;
+    const int32_t *colsum128;
+    const float *sw;
+    int64_t n, k;
+} W8A8Row;
+/* y [n] for one contiguous float32 row x [k]: x quantized to int8 per token by rowquant.c's
+ * quantizer (quantize()'s codes and float32 scale, as QuantLinear's general path quantizes it),
+ * then fb_amx_gemv_u8 against the panels, without a bias: the general path's bits in one call.
+ * Returns 0; -1 where the kernel cannot run here; -2 when its buffer cannot be allocated; -3 for
+ * activations with a NaN or an infinity (which the general path refuses). */
+int fb_w8a8_amx_row(const W8A8Row *r, const float *x, float *y) {
+    const int64_t kp = (r->k + 63) / 64 * 64;
+    float scale, recip;
+    if (fb_row_int8_scales(x, 1, r->k, r->k, &scale, &recip)) return -3;
+    uint8_t stack[16384], *xu = kp <= (int64_t)sizeof stack ? stack : malloc((size_t)kp);
+    if (!xu) return -2;
+    fb_quantize_rows_int8(x, 1, r->k, r->k, &recip, 0, xu, 1);
+    memset(xu + r->k, 128, (size_t)(kp - r->k)); /* x's zeros (the panels' padding is zero anyway) */
+    const int rc = fb_amx_gemv_u8(xu, kp, r->bp, r->n, r->colsum128, scale, r->sw, NULL, y);
+    if (xu != stack) free(xu);
+    return rc;
+}
+
 /* out[i, j] for i < m_out, j < n_out (row stride ldo elements): kind 0 float32, 1 bfloat16,
  * 2 int32 sums (da, db, bias ignored). da / db / bias may be NULL (factor 1, no bias).
  * Returns 0, or -1 where AMX is not there (nothing written). */
@@ -181,6 +266,14 @@ int fb_amx_gemm_s8(const int8_t *a, int64_t m, int64_t kp, int64_t lda, const in
      * the reduction runs in chunks of 512 so that a row block's chunk of A (16 KB) stays in L1
      * across the 8 column blocks, their partial sums parked in `part` between chunks */
     enum { NGROUP = 8, KCHUNK = 8 };
+#ifdef _OPENMP
+    const int64_t nthreads = omp_get_max_threads();
+#else
+    const int64_t nthreads = 1;
+#endif
+    /* fewer row blocks than threads (inference's few rows): the column blocks one at a time are
+     * what the threads share */
+    const int64_t group = mblocks >= nthreads ? NGROUP : 1, ngroups = (nblocks + group - 1) / group;
 #pragma omp parallel
     {
         tiles_begin();
@@ -189,10 +282,10 @@ int fb_amx_gemm_s8(const int8_t *a, int64_t m, int64_t kp, int64_t lda, const in
         int32_t part[NGROUP][4][16][16] __attribute__((aligned(64)));
         int64_t prev_i = -1, prev_j = 0;
         int cur = 0;
-        for (int64_t g0 = 0; g0 < nblocks; g0 += NGROUP) {
-            const int64_t g1 = g0 + NGROUP < nblocks ? g0 + NGROUP : nblocks;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t gi = 0; gi < ngroups; gi++) {
             for (int64_t mb = 0; mb < mblocks; mb++) {
+                const int64_t g0 = gi * group, g1 = g0 + group < nblocks ? g0 + group : nblocks;
                 for (int64_t k0 = 0; k0 < kb_n; k0 += KCHUNK) {
                     const int64_t k1 = k0 + KCHUNK < kb_n ? k0 + KCHUNK : kb_n;
                     for (int64_t nb = g0; nb < g1; nb++) {

@@ -75,20 +75,40 @@ static inline void tiles_end(void) { _tile_release(); }
  * give read as zero in TDPBF16PS anyway; only a float32 subnormal that rounds up to the least
  * normal bfloat16, 2^-126, counts as zero where it would not), a NaN stays some NaN. Pairs
  * r0 .. r1 (the threads share them out): 16 rows of x at a time, each pair of theirs one gather
- * (two of float32). */
+ * (two of float32) -- or, where 15 row strides pass a gather's 32-bit byte offsets, 16 loads. */
 static inline void tiles_pack_x(const void *x, int x_f32, int64_t ldx, int64_t M, int64_t kx, int64_t Mp, uint32_t *xp,
                          int64_t r0, int64_t r1) {
     const int64_t full = kx / 2; /* pairs with both columns inside x */
     const int64_t esize = x_f32 ? 4 : 2;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(esize * ldx))); /* bytes from row m0 */
+    const int wide = esize * ldx > 0x7FFFFFFF / 15; /* offsets past int32: no gathers */
+    const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(wide ? 0 : (int)(esize * ldx))); /* bytes from row m0 */
     for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
         const int64_t mv = M - m0 < 16 ? (M - m0 > 0 ? M - m0 : 0) : 16;
         const __mmask16 rows = (__mmask16)((1u << mv) - 1);
         const char *xm = (const char *)x + esize * m0 * ldx;
         for (int64_t r = r0; r < r1; r++) {
             __m512i v = _mm512_setzero_si512();
-            if (2 * r < kx) {
+            if (2 * r < kx && wide) {
+                uint32_t t[16] = {0};
+                float lo[16] = {0}, hi[16] = {0};
+                for (int64_t m = 0; m < mv; m++) {
+                    const char *p = xm + esize * (m * ldx + 2 * r);
+                    if (!x_f32) {
+                        t[m] = ((const uint16_t *)p)[0] | (r < full ? (uint32_t)((const uint16_t *)p)[1] << 16 : 0u);
+                    } else {
+                        lo[m] = ((const float *)p)[0];
+                        hi[m] = r < full ? ((const float *)p)[1] : 0.0f;
+                    }
+                }
+                if (!x_f32) {
+                    v = _mm512_loadu_si512((const void *)t);
+                } else {
+                    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)));
+                    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(hi)));
+                    v = _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+                }
+            } else if (2 * r < kx) {
                 const char *p = xm + esize * 2 * r;
                 if (!x_f32 && r < full) {
                     v = _mm512_mask_i32gather_epi32(v, rows, at, (const void *)p, 1);
