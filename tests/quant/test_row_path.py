@@ -76,7 +76,7 @@ def test_the_row_path_follows_the_weight():
 
 
 def test_kernels_without_the_row_path():
-    assert _layer("w8a8")._row is None
+    assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "w8a8", kernel="dequant")._row is None
     assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "nf4", kernel="dequant_fp32")._row is not None
     assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "w4a8", kernel="dequant")._row is None  # activations
 

@@ -1,0 +1,115 @@
+"""The w8a8_amx kernel (AMX machines): the int8 weight packed once into int8mm.c's AMX panels, batches
+on the int8 tiles (fb_amx_gemm_s8), one row with VNNI dot products over the same panels
+(fb_amx_gemv_u8, called from forward() as one C call that also quantizes the row). The sums are
+exact int32, so every output must equal, bit for bit, the obviously-correct arithmetic
+(float32(q_x @ q_w.T in int64) * s_x) * s_w (+ bias) with the activations quantized by
+quantize_rows_int8 -- whether its row came alone or in a batch."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from fewbits.kernels import int8 as kernels_int8
+from fewbits.kernels import native
+from fewbits.quant import modules as qm
+from fewbits.quant.modules import QuantLinear, available_kernels
+
+LIB = native.library()
+pytestmark = pytest.mark.skipif(LIB is None or not native.amx_w8a8_ready(LIB), reason="needs AMX and VNNI")
+
+
+def _layer(n: int, k: int, bias: bool = False, seed: int = 0) -> QuantLinear:
+    torch.manual_seed(seed)
+    q = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=bias), "w8a8")
+    assert q.kernel == "w8a8_amx"
+    return q
+
+
+def _reference(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """(float32(exact sums) * s_x) * s_w (+ bias), each a float32 operation."""
+    n, k = q.out_features, q.in_features
+    qx, sx = kernels_int8.quantize_rows_int8(x, True)
+    qw = q.qweight.codes.view(torch.int8).view(n, k)
+    acc = qx.long() @ qw.long().t()
+    y = acc.to(torch.float32) * sx.reshape(-1, 1)
+    y = y * q.qweight.kernel_tensors["weight_scales"].reshape(1, -1)
+    return y if q.bias is None else y + q.bias.detach()
+
+
+@pytest.mark.parametrize("n,k", [(96, 320), (70, 100), (17, 64), (33, 1040), (48, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_and_batches_are_the_exact_sums_rescaled(n, k, bias):
+    q = _layer(n, k, bias)
+    g = torch.Generator().manual_seed(n + k)
+    with torch.inference_mode():
+        for m in (1, 2, 31, 32, 33, 65):
+            x = torch.randn(m, k, generator=g) * 3
+            y = q(x)
+            assert torch.equal(y, _reference(q, x)), (m, n, k)
+            if m > 1:  # each row alone (the VNNI kernel) gives its bits within the batch (the tiles)
+                for i in (0, m - 1):
+                    assert torch.equal(q(x[i:i + 1]), y[i:i + 1])
+            torch.testing.assert_close(y, q.reference_forward(x), rtol=1e-5, atol=1e-5)
+
+
+def test_worst_case_sums_stay_exact():
+    """Every code at its extreme: the largest sums the kernels can meet (127 * 128 * k)."""
+    n, k = 40, 4096
+    q = _layer(n, k)
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    w[1::2] = 127
+    codes = w.view(torch.uint8).reshape(-1)
+    qt = q.qweight.plain()
+    qt2 = type(qt).from_state_dict(qt.scheme, qt.shape, qt.dtype, {**qt.state_dict(), "codes": codes})
+    q2 = QuantLinear(qt2)
+    assert q2.kernel == "w8a8_amx"
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    with torch.inference_mode():
+        assert torch.equal(q2(x), _reference(q2, x))
+        assert torch.equal(q2(x[1:2]), _reference(q2, x[1:2]))
+
+
+def test_the_one_row_call_is_the_general_path():
+    q = _layer(96, 320, bias=True)
+    assert q._row is not None and q._row[0] == "fb_w8a8_amx_row"
+    x = torch.randn(1, 320)
+    with torch.inference_mode():
+        assert torch.equal(q(x), q._forward_eager(x))
+        assert torch.equal(q(x.reshape(1, 1, 320)), q._forward_eager(x).reshape(1, 1, 96))
+    bad = x.clone()
+    bad[0, 3] = float("inf")
+    with pytest.raises(ValueError, match=native.NONFINITE_ACTIVATIONS[:20]):
+        q(bad)
+    with pytest.raises(ValueError, match=native.NONFINITE_ACTIVATIONS[:20]):
+        q._forward_eager(bad)
+    with native.turned_off():  # the exact torch path
+        torch.testing.assert_close(q(x), q.reference_forward(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_panels_are_the_only_copy_and_follow_the_weight():
+    a, b = _layer(64, 256, seed=1), _layer(64, 256, seed=2)
+    x = torch.randn(5, 256)
+    want = a(x)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b(x), want)
+    for c in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+        assert c.kernel == "w8a8_amx" and torch.equal(c(x), want) and torch.equal(c(x[:1]), want[:1])
+    assert a.qweight.codes_derived
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (15, 63), (33, 65), (64, 128)])
+def test_codes_come_back_from_the_panels(n, k):
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    p = native.Int8Panels(LIB, w)
+    assert torch.equal(native.Int8Panels.codes(p.panels, n, k), w)
+    assert torch.equal(p.colsum128, w.sum(1, dtype=torch.int32) * 128)
+
+
+def test_rows_too_long_for_exact_sums_take_another_kernel():
+    assert "w8a8_amx" in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K))
+    assert "w8a8_amx" not in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K + 64))
+    assert qm.KERNELS.index("w8a8_amx") < qm.KERNELS.index("w8a8_onednn")
