@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ..kernels import native
-from ..quant.modules import QuantLinear
+from ..quant.modules import QuantLinear, available_kernels
 from ..quant.scheme import get_scheme
 
 
@@ -187,7 +187,8 @@ FEWBITS_VARIANTS: dict[str, tuple[str | None, str | None]] = {
     "fp32": (None, None),
     "bf16": ("bf16", None),
     "w8a8": ("w8a8", None),
-    "w8a8 torch ops": ("w8a8", "torch-ops"),   # the steps around the int8 GEMM as torch ops, not C
+    "w8a8 oneDNN": ("w8a8", "w8a8_onednn"),    # oneDNN's prepacked int8 GEMM (auto's pick without AMX)
+    "w8a8 torch ops": ("w8a8", "torch-ops"),   # oneDNN's GEMM, the steps around it as torch ops, not C
     "w8a8 _int_mm": ("w8a8", "w8a8_int_mm"),
     "int8": ("int8", None),
     "int4 g128": ("int4", None),
@@ -213,7 +214,10 @@ def build_fewbits(stack: Stack, label: str) -> Variant:
     qls: dict[str, QuantLinear] = {}
 
     def convert(name, m):
-        qls[name] = QuantLinear.from_linear(m, scheme, kernel=kernel if kernel not in (None, "torch-ops") else "auto")
+        forced = kernel if kernel not in (None, "torch-ops") else "auto"
+        if kernel == "torch-ops":  # a kernel whose GEMM is torch's (w8a8_amx has no torch-op form)
+            forced = next(k for k in available_kernels(scheme, tuple(m.weight.shape)) if k != "w8a8_amx")
+        qls[name] = QuantLinear.from_linear(m, scheme, kernel=forced)
         return qls[name]
 
     mod = _replace_linears(stack.module, convert).eval()
