@@ -113,3 +113,26 @@ def test_rows_too_long_for_exact_sums_take_another_kernel():
     assert "w8a8_amx" in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K))
     assert "w8a8_amx" not in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K + 64))
     assert qm.KERNELS.index("w8a8_amx") < qm.KERNELS.index("w8a8_onednn")
+
+
+@pytest.mark.xfail(strict=True, reason="native.py Int8Panels.matmul: `bias.contiguous().data_ptr()` keeps the "
+                   "address of a temporary that is freed before the C call (a use-after-free for a strided bias)")
+@pytest.mark.parametrize("m", [1, 2, 40])
+def test_a_strided_bias_is_read_while_it_lives(m):
+    q = _layer(40, 100, bias=True)
+    q.bias = torch.nn.Parameter(torch.randn(80)[::2])  # float32, not contiguous
+    x = torch.randn(m, 100)
+    with torch.inference_mode():
+        assert torch.equal(q._forward_eager(x), _reference(q, x))
+
+
+@pytest.mark.xfail(strict=True, reason="modules.py _forward_w8a8_amx fuses a float32 bias only for float32 x: "
+                   "for float16 / bfloat16 x the sums are rounded to x's dtype, then the bias added and "
+                   "rounded again (w8a8_onednn rounds once)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_float32_bias_is_added_before_the_one_rounding_to_x_dtype(dtype):
+    q = _layer(96, 320, bias=True)
+    x = (torch.randn(4, 320, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(q(x), _reference(q, x.float()).to(dtype))
+        assert torch.equal(q(x[:1]), _reference(q, x[:1].float()).to(dtype))
