@@ -115,8 +115,6 @@ def test_rows_too_long_for_exact_sums_take_another_kernel():
     assert qm.KERNELS.index("w8a8_amx") < qm.KERNELS.index("w8a8_onednn")
 
 
-@pytest.mark.xfail(strict=True, reason="native.py Int8Panels.matmul: `bias.contiguous().data_ptr()` keeps the "
-                   "address of a temporary that is freed before the C call (a use-after-free for a strided bias)")
 @pytest.mark.parametrize("m", [1, 2, 40])
 def test_a_strided_bias_is_read_while_it_lives(m):
     q = _layer(40, 100, bias=True)
@@ -126,9 +124,6 @@ def test_a_strided_bias_is_read_while_it_lives(m):
         assert torch.equal(q._forward_eager(x), _reference(q, x))
 
 
-@pytest.mark.xfail(strict=True, reason="modules.py _forward_w8a8_amx fuses a float32 bias only for float32 x: "
-                   "for float16 / bfloat16 x the sums are rounded to x's dtype, then the bias added and "
-                   "rounded again (w8a8_onednn rounds once)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_float32_bias_is_added_before_the_one_rounding_to_x_dtype(dtype):
     q = _layer(96, 320, bias=True)
@@ -136,3 +131,18 @@ def test_a_float32_bias_is_added_before_the_one_rounding_to_x_dtype(dtype):
     with torch.inference_mode():
         assert torch.equal(q(x), _reference(q, x.float()).to(dtype))
         assert torch.equal(q(x[:1]), _reference(q, x[:1].float()).to(dtype))
+
+
+def test_onednn_w8a8_takes_per_tensor_activations():
+    """kernel="w8a8_onednn" with one activation scale per tensor: the scale applies to every row."""
+    from fewbits.quant import get_scheme
+    s = get_scheme("w8a8")
+    s = s.with_(activations=s.activations.with_(granularity="tensor"))
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    for kernel in ("w8a8_onednn", "w8a8_amx"):
+        if kernel not in available_kernels(s, (32, 64)):
+            continue
+        q = QuantLinear.from_linear(lin, s, kernel=kernel)
+        torch.testing.assert_close(q(x), q.reference_forward(x), rtol=1e-5, atol=1e-5)

@@ -822,7 +822,8 @@ class Int8Panels:
             if v is not None and (v.dtype != torch.float32 or v.numel() not in (size, 1 if name == "sx" else size)):
                 raise ValueError(f"{name} must be {size} float32 values")
         y = torch.empty(m, self.n, dtype=torch.float32)
-        b = None if bias is None else bias.contiguous().data_ptr()
+        bias = None if bias is None else bias.contiguous()  # held here while the C call reads it
+        b = None if bias is None else bias.data_ptr()
         if m == 1:
             xu = q if self.kp == self.k else torch.nn.functional.pad(q, (0, self.kp - self.k))
             xu = xu.contiguous()

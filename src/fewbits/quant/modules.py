@@ -501,6 +501,8 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
 def _rescaled(y: torch.Tensor, act_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
     """float32 y * act_scales (+ bias) in `dtype` (one pass when there is a float32 bias): the
     product and the bias added with one rounding (an FMA, as torch.addcmul does on this CPU)."""
+    if act_scales.numel() == 1 and y.shape[0] != 1:  # a per-tensor activation scale: one per row
+        act_scales = act_scales.reshape(1, 1).expand(y.shape[0], 1)
     lib = native.library() if y.device.type == "cpu" and y.stride(-1) == 1 else None
     if lib is not None and (bias is None or bias.dtype == torch.float32):
         return native.scale_rows_(lib, y, act_scales, bias).to(dtype)
@@ -1016,12 +1018,12 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             return self._forward_dequant(x2d, bias, dtype)
         one = x2d.shape[0] == 1
         q, sx = self._activations(x2d, offset=one)  # uint8 q + 128 for the one-row kernel
-        fuse = bias is not None and bias.dtype == torch.float32 and dtype == torch.float32
+        fuse = bias is not None and bias.dtype == torch.float32  # added in float32, before x's dtype
         y = self._panels.matmul(lib, q, sx, self._qweight.kernel_tensors["weight_scales"], bias if fuse else None)
-        if fuse or (bias is None and dtype == torch.float32):
+        if dtype == torch.float32 and (fuse or bias is None):
             return y
         with ops.one_thread_if_small(y.numel()):
-            return _with_bias(y, bias, dtype)
+            return _with_bias(y, None if fuse else bias, dtype)
 
     def _forward_w8a8_onednn(self, x2d, bias, dtype):
         q_u8, sx = self._activations(x2d, offset=True)
