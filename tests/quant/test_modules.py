@@ -569,7 +569,7 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
         monkeypatch.setattr(cls, "tile_matmul", lambda self, *a, _f=cls.tile_matmul: tiled.append(1) or _f(self, *a))
     assert_close_to_reference(m, x)
     tiles = ops.fast_bf16_matmul() and native.tiles(lib) and qm.tile_batch(rows, 256)
-    eager = m._forward_eager(x)  # the general path (forward's own tile call: tests/quant/test_tile_path.py)
+    m._forward_eager(x)  # the general path (forward's own tile call: tests/quant/test_tile_path.py)
     if m.kernel == "int8pack" or m._decoder is not None and m._decoder.lut4:
         assert bool(tiled) == (ops.fast_bf16_matmul() and qm.tile_batch(rows, 256))
     if m.kernel == "int8pack":

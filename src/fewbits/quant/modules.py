@@ -673,7 +673,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             w, call = self._w4a8w, ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
         elif kernel == "int8pack" and self._int8w is not None:
             w, call = self._int8w, ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
-        elif kernel == "w8a8_amx" and self._row_quantizer_is_cs():
+        elif kernel == "w8a8_amx" and self._row_quantized_in_c():
             sw = self._qweight.kernel_tensors["weight_scales"]
             w, call = self._panels, ("fb_w8a8_amx_row", self._panels.row_call(sw), native.w8a8_amx_row_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
@@ -683,7 +683,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             return None
         return call + (tuple((1,) * (d - 1) + (self.out_features,) for d in range(1, 5)), w)
 
-    def _row_quantizer_is_cs(self) -> bool:
+    def _row_quantized_in_c(self) -> bool:
         """Whether one row's activations are quantized as fb_w8a8_amx_row does in C: per token (or
         per tensor: one row is both) with float32 scales."""
         a = self.scheme.activations
