@@ -751,6 +751,34 @@ _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2}
 AMX_GEMV_MAX_K = 65536  # fb_amx_gemv_u8's sums stay exact in int32 up to this reduction length
 
 
+def amx_pack(lib: ctypes.CDLL, qb: torch.Tensor) -> torch.Tensor:
+    """qb [N, K] int8 (row-major, or the transpose of a row-major [K, N]) packed into int8mm.c's
+    AMX panels (fb_amx_pack_b / fb_amx_pack_bt), the B operand of fb_amx_gemm_s8."""
+    n, k = qb.shape
+    packed = torch.empty(lib.fb_amx_packed_bytes(n, k), dtype=torch.int8)
+    if qb.stride(0) == 1 and n > 1 and k > 1:  # the transpose of a row-major [K, N]: packed from it
+        lib.fb_amx_pack_bt(qb.data_ptr(), k, n, qb.stride(1), packed.data_ptr())
+    else:
+        b = qb if qb.stride(1) == 1 else qb.contiguous()
+        lib.fb_amx_pack_b(b.data_ptr(), n, k, b.stride(0) if n > 1 else k, packed.data_ptr())
+    return packed
+
+
+def _amx_gemm_panels(lib: ctypes.CDLL, qa: torch.Tensor, packed: torch.Tensor, n: int, da, db, bias,
+                     out_dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """fb_amx_gemm_s8 of qa [M, K] int8 (padded here to M % 32 == 0, K % 64 == 0 with zeros) and
+    amx_pack's panels of an [n, K] B; da / db / bias contiguous float32 or None: (rc, out [M, n])."""
+    m, k = qa.shape
+    mp, kp = -(-max(m, 1) // 32) * 32, -(-max(k, 1) // 64) * 64
+    a = qa if (mp == m and kp == k and qa.stride(1) == 1) else \
+        torch.nn.functional.pad(qa, (0, kp - k, 0, mp - m))
+    out = torch.empty(m, n, dtype=out_dtype)
+    ptr = lambda v: None if v is None else v.data_ptr()  # noqa: E731
+    rc = lib.fb_amx_gemm_s8(a.data_ptr(), mp, kp, a.stride(0), packed.data_ptr(), n, ptr(da), ptr(db), ptr(bias),
+                            m, n, out.data_ptr(), n, _OUT_KINDS[out_dtype])
+    return rc, out
+
+
 def amx_w8a8_ready(lib: ctypes.CDLL) -> bool:
     """Whether Int8Panels runs here: int8mm.c's AMX GEMM and its VNNI one-row kernel."""
     return bool(lib.fb_amx_gemv_ready())
@@ -785,11 +813,10 @@ class Int8Panels:
         n, k = q.shape
         if not 0 < k <= AMX_GEMV_MAX_K:
             raise ValueError(f"rows of 1 to {AMX_GEMV_MAX_K} codes, got {k}")
-        q = q.contiguous()
         self.n, self.k, self.kp = int(n), int(k), -(-int(k) // 64) * 64
-        self.panels = torch.empty(lib.fb_amx_packed_bytes(n, k), dtype=torch.int8)
-        lib.fb_amx_pack_b(q.data_ptr(), n, k, k, self.panels.data_ptr())
-        self.colsum128 = (q.sum(1, dtype=torch.int32) * 128).to(torch.int32).contiguous()
+        self.panels = amx_pack(lib, q)
+        self.colsum128 = q.sum(1, dtype=torch.int32) * 128
+        self._row_args: list = []  # row_call's argument structs (and scales), alive as long as this weight
 
     @staticmethod
     def codes(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -807,7 +834,7 @@ class Int8Panels:
         if sw.numel() != self.n:
             raise ValueError(f"sw needs {self.n} values, got {sw.numel()}")
         r = _W8A8Row(self.panels.data_ptr(), self.colsum128.data_ptr(), sw.data_ptr(), self.n, self.k)
-        self._row_args = getattr(self, "_row_args", []) + [(r, sw)]
+        self._row_args.append((r, sw))
         return ctypes.addressof(r)
 
     def matmul(self, lib: ctypes.CDLL, q: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
@@ -818,24 +845,20 @@ class Int8Panels:
         if q.dim() != 2 or q.shape[1] != self.k or q.dtype != (torch.uint8 if m == 1 else torch.int8):
             raise ValueError(f"q must be [M, {self.k}], uint8 (+128) for one row, int8 for more; got "
                              f"{q.dtype} {tuple(q.shape)}")
-        for v, size, name in ((sx, m, "sx"), (sw, self.n, "sw"), (bias, self.n, "bias")):
-            if v is not None and (v.dtype != torch.float32 or v.numel() not in (size, 1 if name == "sx" else size)):
-                raise ValueError(f"{name} must be {size} float32 values")
-        y = torch.empty(m, self.n, dtype=torch.float32)
+        for v, sizes, name in ((sx, (m, 1), "sx"), (sw, (self.n,), "sw"), (bias, (self.n,), "bias")):
+            if v is not None and (v.dtype != torch.float32 or v.numel() not in sizes):
+                raise ValueError(f"{name} must be {sizes[0]} float32 values")
         bias = None if bias is None else bias.contiguous()  # held here while the C call reads it
-        b = None if bias is None else bias.data_ptr()
         if m == 1:
             xu = q if self.kp == self.k else torch.nn.functional.pad(q, (0, self.kp - self.k))
             xu = xu.contiguous()
+            y = torch.empty(1, self.n, dtype=torch.float32)
             rc = lib.fb_amx_gemv_u8(xu.data_ptr(), self.kp, self.panels.data_ptr(), self.n, self.colsum128.data_ptr(),
-                                    float(sx.reshape(-1)[0]), sw.data_ptr(), b, y.data_ptr())
+                                    float(sx.reshape(-1)[0]), sw.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr())
         else:
-            mp = -(-m // 32) * 32
-            a = q if (mp == m and self.kp == self.k and q.is_contiguous()) else \
-                torch.nn.functional.pad(q, (0, self.kp - self.k, 0, mp - m))
-            da = sx.reshape(-1).expand(m).contiguous()
-            rc = lib.fb_amx_gemm_s8(a.data_ptr(), mp, self.kp, self.kp, self.panels.data_ptr(), self.n, da.data_ptr(),
-                                    sw.data_ptr(), b, m, self.n, y.data_ptr(), self.n, 0)
+            rc, y = _amx_gemm_panels(lib, q, self.panels, self.n, sx.reshape(-1).expand(m).contiguous(), sw, bias,
+                                     torch.float32)
         if rc != 0:
             raise RuntimeError("the AMX int8 kernels refused their arguments")
         return y
@@ -867,19 +890,7 @@ def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torc
                 raise ValueError(f"{name} must be {size} float32 values on the CPU")
             v = v.contiguous()
         vecs.append(v)
-    mp, kp = -(-max(m, 1) // 32) * 32, -(-max(k, 1) // 64) * 64
-    a = qa if (mp == m and kp == k and qa.stride(1) == 1) else \
-        torch.nn.functional.pad(qa, (0, kp - k, 0, mp - m))
-    packed = torch.empty(lib.fb_amx_packed_bytes(n, k), dtype=torch.int8)
-    if qb.stride(0) == 1 and n > 1 and k > 1:  # the transpose of a row-major [K, N]: packed from it
-        lib.fb_amx_pack_bt(qb.data_ptr(), k, n, qb.stride(1), packed.data_ptr())
-    else:
-        b = qb if qb.stride(1) == 1 else qb.contiguous()
-        lib.fb_amx_pack_b(b.data_ptr(), n, k, b.stride(0) if n > 1 else k, packed.data_ptr())
-    out = torch.empty(m, n, dtype=out_dtype)
-    ptr = lambda v: None if v is None else v.data_ptr()  # noqa: E731
-    rc = lib.fb_amx_gemm_s8(a.data_ptr(), mp, kp, a.stride(0), packed.data_ptr(), n, ptr(vecs[0]),
-                            ptr(vecs[1]), ptr(vecs[2]), m, n, out.data_ptr(), n, _OUT_KINDS[out_dtype])
+    rc, out = _amx_gemm_panels(lib, qa, amx_pack(lib, qb), n, *vecs, out_dtype)
     if rc != 0:
         return None
     return out
@@ -1050,6 +1061,8 @@ class Lut4Weight:
         if (x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] > self.row_len
                 or x.device.type != "cpu"):
             raise ValueError(f"x must be CPU bfloat16 or float32 [M, <= {self.row_len}], got {x.dtype} {tuple(x.shape)}")
+        if not tiles(lib):  # nothing allocated or copied for a call that cannot run
+            return None
         if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
             x = x.contiguous()
         m = x.shape[0]
@@ -1296,6 +1309,8 @@ class Int8Weight:
         them)."""
         if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be CPU bfloat16 or float32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        if not tiles(lib):  # nothing allocated or copied for a call that cannot run
+            return None
         if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.k):
             x = x.contiguous()
         m = x.shape[0]

@@ -708,18 +708,18 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         argument address -- _row's, the same weight's fixed arguments --, its return-code check, the
         prepared weight); else None. forward() makes that call itself where the tiles are there:
         the general path's call (tile_matmul with float32 x) with the same arguments, the same bits."""
-        if row is None or (kernel, row[0]) not in (("dequant", "fb_lut4_row"), ("int8pack", "fb_int8w_row")):
-            return None
-        return (row[0].replace("_row", "_tiles"), row[1], row[2], row[4])
+        batch_call = {("dequant", "fb_lut4_row"): "fb_lut4_tiles", ("int8pack", "fb_int8w_row"): "fb_int8w_tiles"}
+        name = batch_call.get((kernel, row[0])) if row is not None else None
+        return None if name is None else (name, row[1], row[2], row[4])
 
     def _tile_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """forward(x) through _tile_path's C call, or None where it does not apply."""
         t = self._tiles
-        if (t is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and x.dim() >= 2
-                and x.shape[-1] == self.in_features and x.is_contiguous()
-                and not (x.requires_grad and torch.is_grad_enabled())):
-            rows = x.numel() // max(self.in_features, 1)
-            if rows > LUT4_MAX_BATCH and tile_batch(rows, self.in_features) and ops.fast_bf16_matmul():
+        if (t is not None and type(x) is torch.Tensor and x.dim() >= 2 and x.shape[-1] == self.in_features > 0
+                and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
+            x2d = x.view(-1, self.in_features)
+            rows = x2d.shape[0]
+            if bf16_blocks(x2d) and tile_batch(rows, self.in_features):  # the general path's rules
                 lib = native.library()  # None inside native.turned_off()
                 if lib is not None and native.tiles(lib):
                     y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
