@@ -171,6 +171,36 @@ def test_one_row_is_the_product_with_the_decoded_weight(lib, row_len, group):
         assert weight.matmul(lib, torch.zeros(1, row_len)).abs().sum() == 0
 
 
+@pytest.mark.parametrize("groups", [64, 150, 6])
+def test_coded_scales_are_the_float_scales_for_every_code(lib, groups):
+    """Byte-coded scales (MX, NVFP4) over rows of many groups (64 codes at a time with AVX512-VBMI,
+    a partial last block): every one of the 256 codes, a table with negative, subnormal, infinite
+    and NaN values, and a multiplier; decode is table[code] * multiplier times the weight's value
+    bit for bit, and every matmul path gives the same bits as with those scales held as float32."""
+    g = torch.Generator().manual_seed(groups)
+    group, n = 16, 5
+    row_len = group * groups
+    table = torch.randn(16, generator=g)
+    codes = torch.randint(0, 256, (n * row_len // 2,), generator=g, dtype=torch.uint8)
+    scale_codes = torch.randperm(256, generator=g).repeat(n * groups // 256 + 1)[: n * groups]
+    scale_codes = scale_codes.to(torch.uint8).reshape(n, groups)
+    scale_table = torch.randn(256, generator=g) * 4
+    scale_table[:8] = torch.tensor([0.0, -0.0, 2.0 ** -140, -(2.0 ** -130), 2.0 ** 100, 1e-20, 3.0, -7.5])
+    scale_table[250:] = torch.tensor([float("inf"), -float("inf"), float("nan"), 2.0 ** -149, 1.0, -1.0])
+    mul = 0.3
+    s = scale_table[scale_codes.long()] * mul  # one float32 product per scale, as the C code's
+    coded = native.Lut4Weight(codes, (scale_codes, scale_table, mul), table, n, row_len, group)
+    plain = native.Lut4Weight(codes, s.contiguous(), table, n, row_len, group)
+    w = table[_nibbles(codes, n, row_len)] * s.repeat_interleave(group, dim=1)
+    assert torch.equal(coded.decode(lib, 0, n).view(torch.int32), w.view(torch.int32))
+    assert torch.equal(coded.decode(lib, 2, 4).view(torch.int32), w[2:4].view(torch.int32))
+    for rows in (1, 3):
+        x = torch.randn(rows, row_len, generator=g)
+        a, b = coded.matmul(lib, x), plain.matmul(lib, x)
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num().view(torch.int32), b.nan_to_num().view(torch.int32)), rows
+
+
 @pytest.mark.parametrize("group", [16, 128])
 def test_one_row_with_zero_points_and_minimums(lib, group):
     """Zero points and minimums: groups of 128 take one_row's scaled table, groups of 16 the

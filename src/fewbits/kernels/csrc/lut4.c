@@ -460,23 +460,71 @@ static inline const float *param_row(const void *p, int32_t kind, int64_t n, int
     for (; g < groups; g++) buf[g] = kind == P_F16 ? from_half(h[g]) : from_bf16(h[g]);
     return buf;
 }
-static inline RowParams row_params(const Params *P, int64_t n, int64_t groups, float *bs, float *bz, float *bm) {
+/* A call's coded scales: the 256 values table[code] * multiplier, each the one float32 product
+ * row_params would compute per scale, once per call. With AVX512-VBMI also as 4 byte planes, so
+ * that 64 codes are looked up with byte permutes (2 per plane and a blend on bit 7 of the code)
+ * and put back together as floats by unpacks: 6x faster than 16-lane gathers, which made a row's
+ * scales cost as much as its codes' arithmetic for NVFP4's groups of 16 (AMD Zen 4). */
+typedef struct {
+    float f[256];
+#if defined(__AVX512VBMI__)
+    uint8_t plane[4][256] __attribute__((aligned(64)));
+#endif
+} ScaleLut;
+static void scale_lut_init(const Params *P, ScaleLut *L) {
+    if (!P->s_codes) return;
+    for (int i = 0; i < 256; i++) L->f[i] = P->s_table[i] * P->s_mul;
+#if defined(__AVX512VBMI__)
+    for (int i = 0; i < 256; i++) {
+        uint32_t u;
+        memcpy(&u, &L->f[i], 4);
+        for (int b = 0; b < 4; b++) L->plane[b][i] = (uint8_t)(u >> (8 * b));
+    }
+#endif
+}
+#if defined(__AVX512VBMI__)
+/* out[0 .. n) = L->f[c[0 .. n)], n <= 64. The codes are first put in the order the unpacks undo:
+ * byte 16l + b of the permuted codes is code 16 (b / 4) + 4 l + b % 4, so that the dword unpacks
+ * of the four planes give codes 0-15, 16-31, 32-47, 48-63 in order (l: the 128-bit lane). */
+static inline void scale_lookup64(const ScaleLut *L, const uint8_t *c, int64_t n, float *out) {
+    static const uint8_t order[64] __attribute__((aligned(64))) = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+        4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    const __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+    const __m512i idx = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)order), _mm512_maskz_loadu_epi8(m, c));
+    const __mmask64 high = _mm512_movepi8_mask(idx); /* codes 128-255: the planes' second half */
+    __m512i b[4];
+    for (int p = 0; p < 4; p++) {
+        const uint8_t *t = L->plane[p];
+        const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512((const void *)t), idx,
+                                                    _mm512_load_si512((const void *)(t + 64)));
+        const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512((const void *)(t + 128)), idx,
+                                                    _mm512_load_si512((const void *)(t + 192)));
+        b[p] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512i r[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                          _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int j = 0; j < 4 && 16 * j < n; j++) {
+        const int64_t left = n - 16 * j;
+        const __mmask16 sm = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        _mm512_mask_storeu_ps(out + 16 * j, sm, _mm512_castsi512_ps(r[j]));
+    }
+}
+#endif
+static inline RowParams row_params(const Params *P, const ScaleLut *L, int64_t n, int64_t groups, float *bs, float *bz,
+                                   float *bm) {
     RowParams rp;
     if (P->s_codes) {
         const uint8_t *c = P->s_codes + n * groups;
-        int64_t g = 0;
-#if defined(__AVX512F__) /* the same lookups and float32 products, 16 (8) at a time */
-        for (; g + 16 <= groups; g += 16) {
-            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + g)));
-            _mm512_storeu_ps(bs + g, _mm512_mul_ps(_mm512_i32gather_ps(i, P->s_table, 4), _mm512_set1_ps(P->s_mul)));
-        }
-#elif defined(__AVX2__)
-        for (; g + 8 <= groups; g += 8) {
-            const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + g)));
-            _mm256_storeu_ps(bs + g, _mm256_mul_ps(_mm256_i32gather_ps(P->s_table, i, 4), _mm256_set1_ps(P->s_mul)));
-        }
+#if defined(__AVX512VBMI__)
+        for (int64_t g = 0; g < groups; g += 64) scale_lookup64(L, c + g, groups - g < 64 ? groups - g : 64, bs + g);
+#else
+        for (int64_t g = 0; g < groups; g++) bs[g] = L->f[c[g]];
 #endif
-        for (; g < groups; g++) bs[g] = P->s_table[c[g]] * P->s_mul;
         rp.s = bs;
     } else {
         rp.s = param_row(P->s, P->s_kind, n, groups, bs);
@@ -545,6 +593,10 @@ static void one_row_layout(const float *x, int64_t kx, int64_t K, float *x8) {
     p1 = f_fma(NIBBLE(5, v, t, lanes), f_load((xc) + 80), p1);                                   \
     p0 = f_fma(NIBBLE(6, v, t, lanes), f_load((xc) + 96), p0);                                   \
     p1 = f_fma(NIBBLE(7, v, t, lanes), f_load((xc) + 112), p1);
+/* v as the compiler must take it: a register whose value it does not know. Without it GCC 12 may
+ * shift a chunk's codes from memory, one load per nibble (it did so in builds where row_params
+ * holds a call): 1.6x slower, from the caches too. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
 /* the codes `ahead` bytes further on (a few rows ahead), one line per chunk */
 #define PREFETCH_CHUNK(p, ahead) __builtin_prefetch((const char *)(p) + (ahead))
 static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table table, int64_t K, int64_t kx,
@@ -555,20 +607,24 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
     F a0 = f_zero(), a1 = f_zero(), a2 = f_zero(), a3 = f_zero();
     if (group % 128 == 0) { /* a chunk lies in one group: its scaled table */
         const int64_t per = group / 128;
+        /* one accumulator per nibble: a chain of one fused multiply-add per chunk (with two,
+         * the chains' latency bound the loop: 1.4x slower from the caches on AMD Zen 4) */
+        F a4 = f_zero(), a5 = f_zero(), a6 = f_zero(), a7 = f_zero();
 #define TABLE_CHUNK(c, lanes, ts)                                                                 \
     {                                                                                            \
         const uint8_t *p = row + 64 * (c);                                                       \
         PREFETCH_CHUNK(p, ahead);                                                                \
-        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                         \
+        KEEP_IN_REGISTER(v);                                                                     \
         const float *xc = x8 + 128 * (c);                                                        \
         a0 = f_fma(NIBBLE(0, v, ts.t, lanes), f_load(xc), a0);                                   \
         a1 = f_fma(NIBBLE(1, v, ts.t, lanes), f_load(xc + 16), a1);                              \
         a2 = f_fma(NIBBLE(2, v, ts.t, lanes), f_load(xc + 32), a2);                              \
         a3 = f_fma(NIBBLE(3, v, ts.t, lanes), f_load(xc + 48), a3);                              \
-        a0 = f_fma(NIBBLE(4, v, ts.t, lanes), f_load(xc + 64), a0);                              \
-        a1 = f_fma(NIBBLE(5, v, ts.t, lanes), f_load(xc + 80), a1);                              \
-        a2 = f_fma(NIBBLE(6, v, ts.t, lanes), f_load(xc + 96), a2);                              \
-        a3 = f_fma(NIBBLE(7, v, ts.t, lanes), f_load(xc + 112), a3);                             \
+        a4 = f_fma(NIBBLE(4, v, ts.t, lanes), f_load(xc + 64), a4);                              \
+        a5 = f_fma(NIBBLE(5, v, ts.t, lanes), f_load(xc + 80), a5);                              \
+        a6 = f_fma(NIBBLE(6, v, ts.t, lanes), f_load(xc + 96), a6);                              \
+        a7 = f_fma(NIBBLE(7, v, ts.t, lanes), f_load(xc + 112), a7);                             \
     }
         int64_t c = 0, g = 0;
         for (; c + per <= full; c += per, g++) {
@@ -581,7 +637,7 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
             if (rem) TABLE_CHUNK(c, last_lanes, ts)
         }
 #undef TABLE_CHUNK
-        return f_sum(f_add(f_add(a0, a1), f_add(a2, a3)));
+        return f_sum(f_add(f_add(f_add(a0, a4), f_add(a1, a5)), f_add(f_add(a2, a6), f_add(a3, a7))));
     }
     /* lane l's group within a chunk: l / (group / 8); a chunk's scales: per_chunk of them */
     const int shift = group == 16 ? 1 : group == 32 ? 2 : 3;
@@ -592,7 +648,8 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
     {                                                                                            \
         const uint8_t *p = row + 64 * (c);                                                       \
         PREFETCH_CHUNK(p, ahead);                                                                \
-        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                         \
+        KEEP_IN_REGISTER(v);                                                                     \
         CHUNK_SUMS(v, x8 + 128 * (c), table.t, (lanes), p0, p1)                                  \
         const F sv = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((groups), rp.s + (c) * per_chunk)); \
         A = f_fma(p0, sv, A);                                                                    \
@@ -604,7 +661,8 @@ static float one_row(const float *x8, const uint8_t *row, RowParams rp, Table ta
 #define EXACT_CHUNK(c, A, B, lanes, groups)                                                       \
     {                                                                                            \
         const uint8_t *p = row + 64 * (c);                                                       \
-        const __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                   \
+        __m512i v = _mm512_maskz_loadu_epi32((lanes), (const void *)p);                         \
+        KEEP_IN_REGISTER(v);                                                                     \
         const F sv = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((groups), rp.s + (c) * per_chunk)); \
         const float *xc = x8 + 128 * (c);                                                        \
         for (int i = 0; i < 8; i += 2) {                                                         \
@@ -664,13 +722,15 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
         free(scratch);
         return -2;
     }
+    ScaleLut lut;
+    scale_lut_init(P, &lut);
 #if W == 16
     if (M == 1 && one_row_path(K, group, P)) {
         one_row_layout(x, kx, K, split); /* split holds K + 1 floats, x8 (K rounded up to 128) at most K + 96 */
 #pragma omp parallel for schedule(static) if (N >= 64)
         for (int64_t n = 0; n < N; n++) {
             float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
-            const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
+            const RowParams rp = row_params(P, &lut, n, groups, bs, bs + groups, bs + 2 * groups);
             /* each chunk asks for its line PREFETCH_ROWS rows on (none past the last row) */
             const int64_t ahead = n + PREFETCH_ROWS < N ? PREFETCH_ROWS * half : 0;
             y[n] = one_row(split, codes + n * half, rp, table, K, kx, group, ahead);
@@ -699,7 +759,7 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
         for (int64_t n = 0; n < N; n++) {
             if (n + PREFETCH_ROWS < N) prefetch_row(codes, half, n + PREFETCH_ROWS);
             float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
-            const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
+            const RowParams rp = row_params(P, &lut, n, groups, bs, bs + groups, bs + 2 * groups);
             row_any(xe, xo, codes + n * half, rp, table, half, group, yc, N, n, mr);
         }
     }
@@ -757,10 +817,12 @@ int32_t fb_lut4_decode(const uint8_t *codes, const Params *P, const float *table
     const int64_t groups = K / group;
     float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
     if (!scratch) return -2;
+    ScaleLut lut;
+    scale_lut_init(P, &lut);
 #pragma omp parallel for schedule(static) if (r1 - r0 >= 16)
     for (int64_t n = r0; n < r1; n++) {
         float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
-        const RowParams rp = row_params(P, n, groups, bs, bs + groups, bs + 2 * groups);
+        const RowParams rp = row_params(P, &lut, n, groups, bs, bs + groups, bs + 2 * groups);
         void *o = out_bf16 ? (void *)((uint16_t *)out + (n - r0) * K) : (void *)((float *)out + (n - r0) * K);
         decode_row(codes, rp, table, K, group, n, o, out_bf16);
     }
@@ -826,6 +888,7 @@ int32_t fb_tiles(void) {
 typedef struct {
     const uint8_t *codes;
     const Params *P;
+    const ScaleLut *lut;
     Table table;
     int64_t K, group, groups;
     float *scratch;
@@ -836,7 +899,7 @@ static void lut4_tile_rows(const void *ctx, int64_t n0, int64_t nv, int64_t kx, 
     float *bs = c->scratch + (int64_t)thread * 3 * c->groups;
     for (int64_t i = 0; i < nv; i++) {
         uint16_t *o = wb + i * ldw;
-        const RowParams rp = row_params(c->P, n0 + i, c->groups, bs, bs + c->groups, bs + 2 * c->groups);
+        const RowParams rp = row_params(c->P, c->lut, n0 + i, c->groups, bs, bs + c->groups, bs + 2 * c->groups);
         if (!decode_row_tiles(c->codes, rp, c->table, c->K, c->group, n0 + i, o))
             decode_row(c->codes, rp, c->table, c->K, c->group, n0 + i, o, 1);
         memset(o + kx, 0, sizeof(uint16_t) * (size_t)(kp - kx));
@@ -870,7 +933,9 @@ int32_t fb_lut4_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t k
     const int64_t groups = K / group;
     float *scratch = malloc(sizeof(float) * (size_t)(3 * groups * MAX_THREADS + 1));
     if (!scratch) return -2;
-    const Lut4Tiles ctx = {codes, P, table_load(table16), K, group, groups, scratch};
+    ScaleLut lut;
+    scale_lut_init(P, &lut);
+    const Lut4Tiles ctx = {codes, P, &lut, table_load(table16), K, group, groups, scratch};
     const int32_t rc = tiles_matmul(x, x_f32, ldx, kx, M, N, K, lut4_tile_rows, &ctx, NULL, y);
     free(scratch);
     return rc;
