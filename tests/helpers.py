@@ -307,6 +307,8 @@ def build_c_source(src, march: str, tmp_dir, declare, extra_flags=()):
         pytest.skip("the x86-64 levels exist on x86-64 only")
     if march == "x86-64-v3" and not {"avx2", "fma"} <= native.cpu_flags():
         pytest.skip("this CPU has no AVX2/FMA to run an x86-64-v3 build")
+    if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX-512 F/BW/DQ/VL to run a skylake-avx512 build")
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")

@@ -2,7 +2,8 @@
 
 The library fewbits loads is built with -march=native, so a machine tests only its own build;
 here lut4.c is also compiled for the x86-64-v3 (AVX2) and baseline x86-64 levels, as the AMD and
-older machines that run fewbits build it, and every build must give:
+older machines that run fewbits build it, and for Skylake's AVX-512 (no VBMI: coded scales looked
+up one at a time), and every build must give:
 - decode to float32: QuantizedTensor.dequantize()'s weights bit for bit (table value times scale,
   one float32 rounding), for float32 scales and for MX / NVFP4 scales kept as byte codes;
 - decode to bfloat16: that float32 weight rounded to nearest even, bit for bit (NaN -> 0x7FC0);
@@ -20,7 +21,7 @@ from fewbits.kernels import native
 from helpers import build_c_source
 
 SRC = Path(native.__file__).with_name("csrc") / "lut4.c"
-BUILDS = ["native", "x86-64-v3", "x86-64"]
+BUILDS = ["native", "skylake-avx512", "x86-64-v3", "x86-64"]  # skylake-avx512: AVX-512 without VBMI
 
 
 def _flags() -> frozenset[str]:
