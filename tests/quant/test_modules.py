@@ -110,6 +110,7 @@ def test_auto_picks_torchs_kernels_here():
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
             "w8a8": ("w8a8_amx" if native.library() is not None and native.amx_w8a8_ready(native.library())
+                     else "w8a8_vnni" if native.library() is not None and native.vnni_w8a8_ready(native.library())
                      else "w8a8_onednn" if ops.onednn_int8_available() and qm.cpu_int8_gemm_exact("w8a8_onednn")
                      else "w8a8_int_mm" if qm.cpu_int8_gemm_exact("w8a8_int_mm") else "dequant"),
             "w4a8": "w4a8" if native.library() is not None and native.library().fb_w4a8_vectorized() else "dequant"}
@@ -381,7 +382,7 @@ def test_kernel_layouts_hold_the_codes_once_and_give_them_back_bit_identical(nam
     lin = _linear(64, 200 if name == "int4_channel" else 256)
     qt = quantize(lin.weight.detach(), name)
     m = QuantLinear(qt, lin.bias)
-    if m.kernel not in ("int4pack", "w8a8_onednn", "w8a8_amx"):
+    if m.kernel not in ("int4pack", "w8a8_onednn", "w8a8_amx", "w8a8_vnni"):
         pytest.skip(f"{m.kernel} keeps the codes as they are")
     held = m.qweight
     assert isinstance(held, KernelQuantizedTensor) and held.codes_derived
@@ -397,7 +398,7 @@ def test_kernel_layouts_hold_the_codes_once_and_give_them_back_bit_identical(nam
         # tinygemm's groups are multiples of 32)
         assert kt["weight"].nbytes == 64 * (224 if name == "int4_channel" else 256) // 2
         assert held.nbytes == others + kt["weight"].nbytes + kt["scales_and_zeros"].nbytes
-    elif m.kernel == "w8a8_amx":  # the AMX panels (whole 32-column blocks, 64-value k blocks) and 128 x row sums
+    elif m.kernel in ("w8a8_amx", "w8a8_vnni"):  # the AMX panels (whole 32-column blocks, 64-value k blocks) and 128 x row sums
         assert kt["panels"].nbytes == 64 * 256 and kt["colsum128"].nbytes == 4 * 64
         assert held.nbytes == others + kt["panels"].nbytes + kt["colsum128"].nbytes  # the scales: a view of qt's
     else:

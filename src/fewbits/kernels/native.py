@@ -601,6 +601,10 @@ def declare_int8mm(lib: ctypes.CDLL) -> None:
     lib.fb_amx_gemv_u8.restype = i32
     lib.fb_w8a8_amx_row.argtypes = [p, p, p]
     lib.fb_w8a8_amx_row.restype = i32
+    lib.fb_vnni_ready.argtypes = []
+    lib.fb_vnni_ready.restype = i32
+    lib.fb_vnni_gemm_u8.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64]
+    lib.fb_vnni_gemm_u8.restype = i32
     lib.fb_q8_rows_bf16.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.fb_q8_rows_bf16.restype = None
     lib.fb_q8_cols_bf16.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, p]
@@ -780,8 +784,15 @@ def _amx_gemm_panels(lib: ctypes.CDLL, qa: torch.Tensor, packed: torch.Tensor, n
 
 
 def amx_w8a8_ready(lib: ctypes.CDLL) -> bool:
-    """Whether Int8Panels runs here: int8mm.c's AMX GEMM and its VNNI one-row kernel."""
+    """Whether Int8Panels runs here with its batches on the tiles: int8mm.c's AMX GEMM and its VNNI
+    one-row kernel."""
     return bool(lib.fb_amx_gemv_ready())
+
+
+def vnni_w8a8_ready(lib: ctypes.CDLL) -> bool:
+    """Whether Int8Panels runs here with VNNI dot products alone (tiles=False): AVX512-VNNI in the
+    build, AMX or not."""
+    return bool(lib.fb_vnni_ready())
 
 
 def w8a8_amx_row_rc(rc: int) -> None:
@@ -802,12 +813,14 @@ class _W8A8Row(ctypes.Structure):
 class Int8Panels:
     """An int8 weight W [n, k] packed once into int8mm.c's AMX panels (fb_amx_pack_b), with 128 times
     its row sums, for w8a8 inference: y = (float32(q @ W.T) * sx[:, None]) * sw[None, :] (+ bias),
-    the int32 sums exact -- batches of int8 activations q on the tiles (fb_amx_gemm_s8, rows padded
-    to 32), one row with VNNI dot products over the same panels (fb_amx_gemv_u8), the same float32
-    steps, so a row gives the bits it gives inside a batch. The panels are the only copy of the
-    codes: codes(panels, n, k) derives them."""
+    the int32 sums exact -- one row with VNNI dot products over the panels (fb_amx_gemv_u8);
+    batches of int8 activations on the tiles (tiles=True: fb_amx_gemm_s8, rows padded to 32) or,
+    on CPUs without AMX (tiles=False), with the same VNNI dot products row by row
+    (fb_vnni_gemm_u8); the same float32 steps everywhere, so a row gives the bits it gives inside a
+    batch. The panels are the only copy of the codes: codes(panels, n, k) derives them."""
 
-    def __init__(self, lib: ctypes.CDLL, q: torch.Tensor):
+    def __init__(self, lib: ctypes.CDLL, q: torch.Tensor, tiles: bool = True):
+        self.tiles = bool(tiles)
         if q.dtype != torch.int8 or q.dim() != 2 or q.device.type != "cpu":
             raise ValueError(f"q must be a 2-D CPU int8 tensor, got {q.dtype} {tuple(q.shape)}")
         n, k = q.shape
@@ -837,30 +850,44 @@ class Int8Panels:
         self._row_args.append((r, sw))
         return ctypes.addressof(r)
 
+    def vnni_rows(self, m: int) -> bool:
+        """Whether a batch of m rows runs the VNNI kernels (uint8 codes + 128), else the tiles (int8)."""
+        return m == 1 or not self.tiles
+
     def matmul(self, lib: ctypes.CDLL, q: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """q [M, k]: int8 codes, or uint8 codes + 128 for one row (M == 1: the VNNI kernel's
-        operand); sx [M] (or [1]), sw [n], bias [n] or None: float32 -> y [M, n] float32."""
-        m = q.shape[0]
-        if q.dim() != 2 or q.shape[1] != self.k or q.dtype != (torch.uint8 if m == 1 else torch.int8):
-            raise ValueError(f"q must be [M, {self.k}], uint8 (+128) for one row, int8 for more; got "
-                             f"{q.dtype} {tuple(q.shape)}")
+        """q [M, k]: uint8 codes + 128 where vnni_rows(M) (one row, or every batch without
+        tiles: the VNNI kernels' operand), else int8 codes; sx [M] (or [1]), sw [n], bias [n] or
+        None: float32 -> y [M, n] float32."""
+        m = q.shape[0] if q.dim() == 2 else -1
+        vnni = self.vnni_rows(m)
+        if q.dim() != 2 or q.shape[1] != self.k or q.dtype != (torch.uint8 if vnni else torch.int8):
+            raise ValueError(f"q must be [M, {self.k}], " + ("uint8 (+128)" if vnni else "int8") +
+                             f" for {m} rows here; got {q.dtype} {tuple(q.shape)}")
         for v, sizes, name in ((sx, (m, 1), "sx"), (sw, (self.n,), "sw"), (bias, (self.n,), "bias")):
             if v is not None and (v.dtype != torch.float32 or v.numel() not in sizes):
                 raise ValueError(f"{name} must be {sizes[0]} float32 values")
         bias = None if bias is None else bias.contiguous()  # held here while the C call reads it
-        if m == 1:
-            xu = q if self.kp == self.k else torch.nn.functional.pad(q, (0, self.kp - self.k))
+        if vnni:
+            # k padded to the panels' 64 with x's zeros (128); the panels' padding is zero anyway
+            xu = q if self.kp == self.k else torch.nn.functional.pad(q, (0, self.kp - self.k), value=128)
             xu = xu.contiguous()
-            y = torch.empty(1, self.n, dtype=torch.float32)
-            rc = lib.fb_amx_gemv_u8(xu.data_ptr(), self.kp, self.panels.data_ptr(), self.n, self.colsum128.data_ptr(),
-                                    float(sx.reshape(-1)[0]), sw.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr())
+            y = torch.empty(m, self.n, dtype=torch.float32)
+            bp = None if bias is None else bias.data_ptr()
+            if m == 1:
+                rc = lib.fb_amx_gemv_u8(xu.data_ptr(), self.kp, self.panels.data_ptr(), self.n,
+                                        self.colsum128.data_ptr(), float(sx.reshape(-1)[0]), sw.data_ptr(), bp,
+                                        y.data_ptr())
+            else:
+                sxm = sx.reshape(-1).expand(m).contiguous()
+                rc = lib.fb_vnni_gemm_u8(xu.data_ptr(), m, self.kp, self.kp, self.panels.data_ptr(), self.n,
+                                         self.colsum128.data_ptr(), sxm.data_ptr(), sw.data_ptr(), bp, y.data_ptr(),
+                                         self.n)
         else:
             rc, y = _amx_gemm_panels(lib, q, self.panels, self.n, sx.reshape(-1).expand(m).contiguous(), sw, bias,
                                      torch.float32)
         if rc != 0:
-            raise RuntimeError("the AMX int8 kernels refused their arguments")
+            raise RuntimeError("the int8 panel kernels refused their arguments")
         return y
 
 
@@ -871,8 +898,6 @@ def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torc
     float32 [M] / [N] or None. None when AMX is not there. Pads M to 32 and K to 64 with zeros."""
     if out_dtype not in _OUT_KINDS:
         raise ValueError(f"out_dtype must be float32, bfloat16 or int32, got {out_dtype}")
-    if not amx_int8_ready(lib):
-        return None
     for t, name in ((qa, "qa"), (qb, "qb")):
         if t.dtype != torch.int8 or t.dim() != 2 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a 2-D CPU int8 tensor, got {t.dtype} {tuple(t.shape)}")
@@ -890,6 +915,8 @@ def amx_int8_gemm(lib: ctypes.CDLL, qa: torch.Tensor, qb: torch.Tensor, da: torc
                 raise ValueError(f"{name} must be {size} float32 values on the CPU")
             v = v.contiguous()
         vecs.append(v)
+    if not amx_int8_ready(lib):  # after the checks: bad operands are refused on every CPU
+        return None
     rc, out = _amx_gemm_panels(lib, qa, amx_pack(lib, qb), n, *vecs, out_dtype)
     if rc != 0:
         return None

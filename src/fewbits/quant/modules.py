@@ -25,6 +25,9 @@ w8a8_amx       int8 weights + dynamic per-token (or per-tensor) int8 activations
                only copy), batches on the int8 tiles (TDPBSSD), one row with VNNI dot products
                over the same panels; exact int32 sums, y = (float(sum) * sx) * sw (+ bias), the
                same float32 steps for a row and a batch.
+w8a8_vnni      the same on CPUs with AVX512-VNNI but without AMX (AMD Zen 4, Intel Ice Lake): the
+               same panels and one-row kernel, batches with the same VNNI dot products row by row
+               (fb_vnni_gemm_u8), 8 rows per pass over a panel; the same bits as w8a8_amx.
 w8a8_onednn    int8 weights + dynamic per-token (or per-tensor) int8 activations: exact int32
 w8a8_int_mm    products (oneDNN's prepacked int8 GEMM, or torch._int_mm), one float32 rescale;
                only on CPUs where they are exact (cpu_int8_gemm_exact: not without VNNI).
@@ -102,7 +105,7 @@ from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
-KERNELS = ("int4pack", "int8pack", "w8a8_amx", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
+KERNELS = ("int4pack", "int8pack", "w8a8_amx", "w8a8_vnni", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 # values decoded per block on the dequant path (8 MiB of float32; bfloat16 blocks twice as many
 # values, 8 MiB). Blocks of 2^18 values (1 MiB) left batches of 16-256 rows of 4096-wide layers
@@ -417,10 +420,12 @@ def cpu_int8_gemm_exact(kernel: str) -> bool:
         prepare=ops.onednn_prepack_int8)
 
 
-def _w8a8_amx_runs(k: int) -> bool:
-    """Whether int8mm.c's AMX kernels (native.Int8Panels) run a w8a8 layer of rows of k here."""
+def _w8a8_panels_run(k: int, tiles: bool) -> bool:
+    """Whether int8mm.c's panel kernels (native.Int8Panels) run a w8a8 layer of rows of k here:
+    with its batches on the AMX tiles (w8a8_amx) or with VNNI dot products (w8a8_vnni)."""
     lib = native.library()
-    return lib is not None and 0 < k <= native.AMX_GEMV_MAX_K and native.amx_w8a8_ready(lib)
+    ready = native.amx_w8a8_ready if tiles else native.vnni_w8a8_ready
+    return lib is not None and 0 < k <= native.AMX_GEMV_MAX_K and ready(lib)
 
 
 def available_kernels(scheme, shape, device="cpu") -> list[str]:
@@ -446,8 +451,12 @@ def available_kernels(scheme, shape, device="cpu") -> list[str]:
         if _w4a8_kernel(s, (n, k)):
             out.append("w4a8")
         if _int8_weight(s) and _w8a8_activations_fast(s.activations):
-            if _w8a8_amx_runs(k):
+            if _w8a8_panels_run(k, tiles=True):
                 out.append("w8a8_amx")
+            # after the tiles, ahead of oneDNN's GEMM, whose call for one row costs ~80 us of a
+            # 576-wide layer's decode step
+            if _w8a8_panels_run(k, tiles=False):
+                out.append("w8a8_vnni")
             if ops.onednn_int8_available() and cpu_int8_gemm_exact("w8a8_onednn"):
                 out.append("w8a8_onednn")
             if cpu_int8_gemm_exact("w8a8_int_mm"):
@@ -673,7 +682,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             w, call = self._w4a8w, ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
         elif kernel == "int8pack" and self._int8w is not None:
             w, call = self._int8w, ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
-        elif kernel == "w8a8_amx" and self._row_quantized_in_c():
+        elif kernel in ("w8a8_amx", "w8a8_vnni") and self._row_quantized_in_c():
             sw = self._qweight.kernel_tensors["weight_scales"]
             w, call = self._panels, ("fb_w8a8_amx_row", self._panels.row_call(sw), native.w8a8_amx_row_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None
@@ -850,16 +859,19 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         w = qt.codes.view(torch.float8_e4m3fn).view(self.out_features, self.in_features)  # OCP E4M3 bits
         return KernelQuantizedTensor(qt, {"weight": w, "weight_scales": self._weight_scales(qt).reshape(1, -1)})
 
-    def _build_w8a8_amx(self, qt: QuantizedTensor) -> QuantizedTensor:
+    def _build_w8a8_amx(self, qt: QuantizedTensor, tiles: bool = True) -> QuantizedTensor:
         n, k = self.out_features, self.in_features
         lib = native.library()
-        if lib is None:  # native.turned_off() at construction: where w8a8_amx was chosen before
-            raise RuntimeError("the w8a8_amx kernel needs fewbits' native library")
-        panels = native.Int8Panels(lib, qt.codes.view(torch.int8).view(n, k))
+        if lib is None:  # native.turned_off() at construction: where the kernel was chosen before
+            raise RuntimeError(f"the {self.kernel} kernel needs fewbits' native library")
+        panels = native.Int8Panels(lib, qt.codes.view(torch.int8).view(n, k), tiles=tiles)
         self._panels = panels
         return KernelQuantizedTensor(
             qt, {"panels": panels.panels, "colsum128": panels.colsum128, "weight_scales": self._weight_scales(qt)},
             codes_from_kernel=lambda kt: native.Int8Panels.codes(kt["panels"], n, k).view(torch.uint8).reshape(-1))
+
+    def _build_w8a8_vnni(self, qt: QuantizedTensor) -> QuantizedTensor:
+        return self._build_w8a8_amx(qt, tiles=False)
 
     def _build_w8a8_onednn(self, qt: QuantizedTensor) -> QuantizedTensor:
         n, k = self.out_features, self.in_features
@@ -1016,14 +1028,15 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         lib = native.library()
         if lib is None or x2d.device.type != "cpu":  # native.turned_off(): the exact torch path
             return self._forward_dequant(x2d, bias, dtype)
-        one = x2d.shape[0] == 1
-        q, sx = self._activations(x2d, offset=one)  # uint8 q + 128 for the one-row kernel
+        q, sx = self._activations(x2d, offset=self._panels.vnni_rows(x2d.shape[0]))  # uint8 q + 128 for VNNI
         fuse = bias is not None and bias.dtype == torch.float32  # added in float32, before x's dtype
         y = self._panels.matmul(lib, q, sx, self._qweight.kernel_tensors["weight_scales"], bias if fuse else None)
         if dtype == torch.float32 and (fuse or bias is None):
             return y
         with ops.one_thread_if_small(y.numel()):
             return _with_bias(y, None if fuse else bias, dtype)
+
+    _forward_w8a8_vnni = _forward_w8a8_amx  # the same panels; Int8Panels.matmul picks the batches' kernel
 
     def _forward_w8a8_onednn(self, x2d, bias, dtype):
         q_u8, sx = self._activations(x2d, offset=True)

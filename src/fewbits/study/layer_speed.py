@@ -187,7 +187,7 @@ FEWBITS_VARIANTS: dict[str, tuple[str | None, str | None]] = {
     "fp32": (None, None),
     "bf16": ("bf16", None),
     "w8a8": ("w8a8", None),
-    "w8a8 oneDNN": ("w8a8", "w8a8_onednn"),    # oneDNN's prepacked int8 GEMM (auto's pick without AMX)
+    "w8a8 oneDNN": ("w8a8", "w8a8_onednn"),    # oneDNN's prepacked int8 GEMM (auto's pick without VNNI panels)
     "w8a8 torch ops": ("w8a8", "torch-ops"),   # oneDNN's GEMM, the steps around it as torch ops, not C
     "w8a8 _int_mm": ("w8a8", "w8a8_int_mm"),
     "int8": ("int8", None),
@@ -215,8 +215,9 @@ def build_fewbits(stack: Stack, label: str) -> Variant:
 
     def convert(name, m):
         forced = kernel if kernel not in (None, "torch-ops") else "auto"
-        if kernel == "torch-ops":  # a kernel whose GEMM is torch's (w8a8_amx has no torch-op form)
-            forced = next(k for k in available_kernels(scheme, tuple(m.weight.shape)) if k != "w8a8_amx")
+        if kernel == "torch-ops":  # a kernel whose GEMM is torch's (the panel kernels have no torch-op form)
+            forced = next(k for k in available_kernels(scheme, tuple(m.weight.shape))
+                          if k not in ("w8a8_amx", "w8a8_vnni"))
         qls[name] = QuantLinear.from_linear(m, scheme, kernel=forced)
         return qls[name]
 

@@ -168,10 +168,25 @@ static void store(int32_t acc[4][16][16], int64_t i0, int64_t j0, int64_t m_out,
 }
 #endif
 
-/* 1 where fb_amx_gemv_u8 runs here (AMX and VNNI in the build, the tile state granted) */
+#if defined(FB_V512) && defined(__AVX512VNNI__)
+#define FB_VNNI 1 /* the panels' VNNI kernels (no tiles: CPUs without AMX run them too) */
+#endif
+
+/* 1 where fb_amx_gemv_u8 runs here beside the tile GEMM (AMX and VNNI in the build, the tile
+ * state granted) */
 int fb_amx_gemv_ready(void) {
-#if defined(FB_AMX) && defined(__AVX512VNNI__)
+#if defined(FB_AMX) && defined(FB_VNNI)
     return fb_amx_int8_ready();
+#else
+    return 0;
+#endif
+}
+
+/* 1 where the VNNI kernels over the panels (fb_amx_gemv_u8, fb_vnni_gemm_u8) run here: AVX512-VNNI
+ * in the build, tiles or not (AMD Zen 4, Intel Ice Lake) */
+int fb_vnni_ready(void) {
+#if defined(FB_VNNI)
+    return 1;
 #else
     return 0;
 #endif
@@ -184,10 +199,10 @@ int fb_amx_gemv_ready(void) {
  * signed bytes: xu holds xq + 128 (kp = k rounded up to 64 bytes; the panels' padding is zero, so
  * xu's padding adds nothing) and colsum128[j] = 128 * sum_k B[j][k] comes off each sum. Exact while
  * k <= 65536 (|sum| <= 255 * 128 * k < 2^31). The panels of 16 columns are shared out over torch's
- * OpenMP threads. Returns 0, or -1 where the build has no AMX or VNNI (nothing written). */
+ * OpenMP threads. Returns 0, or -1 where the build has no VNNI (nothing written). */
 int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, const int32_t *colsum128, float sa,
                    const float *db, const float *bias, float *y) {
-#if defined(FB_AMX) && defined(__AVX512VNNI__)
+#if defined(FB_VNNI)
     if (kp % 64 || kp > 65536 || n < 0) return -1;
     const int64_t kb_n = kp / 64, panels = (n + 15) / 16;
 #pragma omp parallel for schedule(static) if (panels >= 16)
@@ -217,6 +232,74 @@ int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, c
     return 0;
 #else
     (void)xu, (void)kp, (void)bp, (void)n, (void)colsum128, (void)sa, (void)db, (void)bias, (void)y;
+    return -1;
+#endif
+}
+
+#if defined(FB_VNNI)
+/* rows i0 .. i0 + MR of xu against panel nb: the int32 sums of its 16 columns, then
+ * fb_amx_gemv_u8's float32 steps per row (MR a constant where inlined: the sums stay in registers) */
+static inline __attribute__((always_inline)) void vnni_rows(int MR, const uint8_t *xu, int64_t ldx, int64_t kb_n,
+                                                            const int8_t *p, const int32_t *colsum128, const float *sa,
+                                                            const float *db, const float *bias, int64_t j, int64_t n,
+                                                            float *y, int64_t ldy) {
+    __m512i acc[8];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t kb = 0; kb < kb_n; kb++, p += 1024) {
+        for (int r = 0; r < 16; r++) {
+            const __m512i w = _mm512_loadu_si512(p + 64 * r);
+            for (int i = 0; i < MR; i++) /* row i's 4 activations of panel row r, in every lane */
+                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(((const int32_t *)(xu + i * ldx + 64 * kb))[r]), w);
+        }
+    }
+    const int64_t w = n - j < 16 ? n - j : 16;
+    const __mmask16 mk = (__mmask16)((1u << w) - 1u);
+    const __m512i cs = _mm512_maskz_loadu_epi32(mk, colsum128 + j);
+    const __m512 dbv = db ? _mm512_maskz_loadu_ps(mk, db + j) : _mm512_setzero_ps();
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; i++) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], cs)), _mm512_set1_ps(sa[i]));
+        if (db) v = _mm512_mul_ps(v, dbv);
+        if (bias) v = _mm512_add_ps(v, bv);
+        _mm512_mask_storeu_ps(y + i * ldy + j, mk, v);
+    }
+}
+#endif
+
+/* Rows of activations against the packed B, with VNNI dot products (CPUs without AMX: their
+ * batches): fb_amx_gemv_u8 for each of the m rows of xu [m, kp] (row stride ldx; xq + 128 as
+ * there), with the row's own scale sa[i], into y [m, n] (row stride ldy) -- the same exact int32
+ * sums and the same float32 steps, so a row's bits are the same alone (fb_amx_gemv_u8) or in a
+ * batch. Each thread takes whole panels of 16 columns (a panel, k bytes x 16, stays in the caches
+ * while the rows pass over it, 8 at a time). Returns 0, or -1 where the build has no VNNI or for
+ * arguments out of range (nothing written). */
+int fb_vnni_gemm_u8(const uint8_t *xu, int64_t m, int64_t kp, int64_t ldx, const int8_t *bp, int64_t n,
+                    const int32_t *colsum128, const float *sa, const float *db, const float *bias, float *y,
+                    int64_t ldy) {
+#if defined(FB_VNNI)
+    if (kp % 64 || kp > 65536 || n < 0 || m < 0 || ldx < kp || ldy < n) return -1;
+    const int64_t kb_n = kp / 64, panels = (n + 15) / 16;
+#pragma omp parallel for schedule(static) if (panels * m >= 64)
+    for (int64_t nb = 0; nb < panels; nb++) {
+        const int8_t *p = bp + nb * kb_n * 1024;
+        int64_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            vnni_rows(8, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy);
+        switch (m - i) { /* the last rows, each count its own inlined block */
+        case 7: vnni_rows(7, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 6: vnni_rows(6, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 5: vnni_rows(5, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 4: vnni_rows(4, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 3: vnni_rows(3, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 2: vnni_rows(2, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        case 1: vnni_rows(1, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
+        default: break;
+        }
+    }
+    return 0;
+#else
+    (void)xu, (void)m, (void)kp, (void)ldx, (void)bp, (void)n, (void)colsum128, (void)sa, (void)db, (void)bias;
+    (void)y, (void)ldy;
     return -1;
 #endif
 }

@@ -1,9 +1,10 @@
-"""The w8a8_amx kernel (AMX machines): the int8 weight packed once into int8mm.c's AMX panels, batches
-on the int8 tiles (fb_amx_gemm_s8), one row with VNNI dot products over the same panels
-(fb_amx_gemv_u8, called from forward() as one C call that also quantizes the row). The sums are
-exact int32, so every output must equal, bit for bit, the obviously-correct arithmetic
-(float32(q_x @ q_w.T in int64) * s_x) * s_w (+ bias) with the activations quantized by
-quantize_rows_int8 -- whether its row came alone or in a batch."""
+"""The int8 panel kernels: w8a8_amx (AMX machines) and w8a8_vnni (AVX512-VNNI, tiles or not). The int8
+weight is packed once into int8mm.c's AMX panels; one row runs VNNI dot products over them
+(fb_amx_gemv_u8, called from forward() as one C call that also quantizes the row); batches run on
+the int8 tiles (w8a8_amx: fb_amx_gemm_s8) or with the same VNNI dot products (w8a8_vnni:
+fb_vnni_gemm_u8). The sums are exact int32, so every output must equal, bit for bit, the
+obviously-correct arithmetic (float32(q_x @ q_w.T in int64) * s_x) * s_w (+ bias) with the
+activations quantized by quantize_rows_int8 -- whether its row came alone or in a batch."""
 from __future__ import annotations
 
 import copy
@@ -18,14 +19,28 @@ from fewbits.quant import modules as qm
 from fewbits.quant.modules import QuantLinear, available_kernels
 
 LIB = native.library()
-pytestmark = pytest.mark.skipif(LIB is None or not native.amx_w8a8_ready(LIB), reason="needs AMX and VNNI")
+READY = {"w8a8_amx": LIB is not None and native.amx_w8a8_ready(LIB),
+         "w8a8_vnni": LIB is not None and native.vnni_w8a8_ready(LIB)}
+pytestmark = pytest.mark.skipif(not any(READY.values()), reason="needs AVX512-VNNI (and AMX for w8a8_amx)")
 
 
-def _layer(n: int, k: int, bias: bool = False, seed: int = 0) -> QuantLinear:
+@pytest.fixture(params=list(READY))
+def kernel(request):
+    if not READY[request.param]:
+        pytest.skip(f"{request.param} does not run here")
+    return request.param
+
+
+def _layer(n: int, k: int, bias: bool = False, seed: int = 0, kernel: str = "w8a8_amx") -> QuantLinear:
     torch.manual_seed(seed)
-    q = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=bias), "w8a8")
-    assert q.kernel == "w8a8_amx"
+    q = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=bias), "w8a8", kernel=kernel)
+    assert q.kernel == kernel
     return q
+
+
+def test_auto_picks_the_tiles_else_vnni():
+    want = "w8a8_amx" if READY["w8a8_amx"] else "w8a8_vnni"
+    assert QuantLinear.from_linear(torch.nn.Linear(64, 32), "w8a8").kernel == want
 
 
 def _reference(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -41,40 +56,40 @@ def _reference(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,k", [(96, 320), (70, 100), (17, 64), (33, 1040), (48, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rows_and_batches_are_the_exact_sums_rescaled(n, k, bias):
-    q = _layer(n, k, bias)
+def test_rows_and_batches_are_the_exact_sums_rescaled(kernel, n, k, bias):
+    q = _layer(n, k, bias, kernel=kernel)
     g = torch.Generator().manual_seed(n + k)
     with torch.inference_mode():
-        for m in (1, 2, 31, 32, 33, 65):
+        for m in (1, 2, 6, 13, 31, 32, 33, 65):
             x = torch.randn(m, k, generator=g) * 3
             y = q(x)
             assert torch.equal(y, _reference(q, x)), (m, n, k)
-            if m > 1:  # each row alone (the VNNI kernel) gives its bits within the batch (the tiles)
+            if m > 1:  # each row alone (the one-row kernel) gives its bits within the batch
                 for i in (0, m - 1):
                     assert torch.equal(q(x[i:i + 1]), y[i:i + 1])
             torch.testing.assert_close(y, q.reference_forward(x), rtol=1e-5, atol=1e-5)
 
 
-def test_worst_case_sums_stay_exact():
+def test_worst_case_sums_stay_exact(kernel):
     """Every code at its extreme: the largest sums the kernels can meet (127 * 128 * k)."""
     n, k = 40, 4096
-    q = _layer(n, k)
+    q = _layer(n, k, kernel=kernel)
     w = torch.full((n, k), -128, dtype=torch.int8)
     w[1::2] = 127
     codes = w.view(torch.uint8).reshape(-1)
     qt = q.qweight.plain()
     qt2 = type(qt).from_state_dict(qt.scheme, qt.shape, qt.dtype, {**qt.state_dict(), "codes": codes})
-    q2 = QuantLinear(qt2)
-    assert q2.kernel == "w8a8_amx"
-    x = torch.ones(3, k)
+    q2 = QuantLinear(qt2, kernel=kernel)
+    assert q2.kernel == kernel
+    x = torch.ones(11, k)
     x[1] = -1.0
     with torch.inference_mode():
         assert torch.equal(q2(x), _reference(q2, x))
         assert torch.equal(q2(x[1:2]), _reference(q2, x[1:2]))
 
 
-def test_the_one_row_call_is_the_general_path():
-    q = _layer(96, 320, bias=True)
+def test_the_one_row_call_is_the_general_path(kernel):
+    q = _layer(96, 320, bias=True, kernel=kernel)
     assert q._row is not None and q._row[0] == "fb_w8a8_amx_row"
     x = torch.randn(1, 320)
     with torch.inference_mode():
@@ -90,14 +105,14 @@ def test_the_one_row_call_is_the_general_path():
         torch.testing.assert_close(q(x), q.reference_forward(x), rtol=1e-5, atol=1e-5)
 
 
-def test_the_panels_are_the_only_copy_and_follow_the_weight():
-    a, b = _layer(64, 256, seed=1), _layer(64, 256, seed=2)
+def test_the_panels_are_the_only_copy_and_follow_the_weight(kernel):
+    a, b = _layer(64, 256, seed=1, kernel=kernel), _layer(64, 256, seed=2, kernel=kernel)
     x = torch.randn(5, 256)
     want = a(x)
     b.load_state_dict(a.state_dict())
     assert torch.equal(b(x), want)
     for c in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
-        assert c.kernel == "w8a8_amx" and torch.equal(c(x), want) and torch.equal(c(x[:1]), want[:1])
+        assert c.kernel == kernel and torch.equal(c(x), want) and torch.equal(c(x[:1]), want[:1])
     assert a.qweight.codes_derived
 
 
@@ -109,15 +124,15 @@ def test_codes_come_back_from_the_panels(n, k):
     assert torch.equal(p.colsum128, w.sum(1, dtype=torch.int32) * 128)
 
 
-def test_rows_too_long_for_exact_sums_take_another_kernel():
-    assert "w8a8_amx" in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K))
-    assert "w8a8_amx" not in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K + 64))
-    assert qm.KERNELS.index("w8a8_amx") < qm.KERNELS.index("w8a8_onednn")
+def test_rows_too_long_for_exact_sums_take_another_kernel(kernel):
+    assert kernel in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K))
+    assert kernel not in available_kernels("w8a8", (8, native.AMX_GEMV_MAX_K + 64))
+    assert qm.KERNELS.index("w8a8_amx") < qm.KERNELS.index("w8a8_vnni") < qm.KERNELS.index("w8a8_onednn")
 
 
 @pytest.mark.parametrize("m", [1, 2, 40])
-def test_a_strided_bias_is_read_while_it_lives(m):
-    q = _layer(40, 100, bias=True)
+def test_a_strided_bias_is_read_while_it_lives(kernel, m):
+    q = _layer(40, 100, bias=True, kernel=kernel)
     q.bias = torch.nn.Parameter(torch.randn(80)[::2])  # float32, not contiguous
     x = torch.randn(m, 100)
     with torch.inference_mode():
@@ -125,8 +140,8 @@ def test_a_strided_bias_is_read_while_it_lives(m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_float32_bias_is_added_before_the_one_rounding_to_x_dtype(dtype):
-    q = _layer(96, 320, bias=True)
+def test_a_float32_bias_is_added_before_the_one_rounding_to_x_dtype(kernel, dtype):
+    q = _layer(96, 320, bias=True, kernel=kernel)
     x = (torch.randn(4, 320, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
     with torch.inference_mode():
         assert torch.equal(q(x), _reference(q, x.float()).to(dtype))
@@ -141,7 +156,7 @@ def test_onednn_w8a8_takes_per_tensor_activations():
     torch.manual_seed(4)
     lin = torch.nn.Linear(64, 32)
     x = torch.randn(5, 64)
-    for kernel in ("w8a8_onednn", "w8a8_amx"):
+    for kernel in ("w8a8_onednn", "w8a8_amx", "w8a8_vnni"):
         if kernel not in available_kernels(s, (32, 64)):
             continue
         q = QuantLinear.from_linear(lin, s, kernel=kernel)
