@@ -1,12 +1,13 @@
-"""The AMX tile matmuls (csrc/tiles.h, used by lut4.c and int8w.c) against the obviously-correct
-arithmetic: x and the weight as bfloat16 -- the weight exactly as Lut4Weight.decode(...,
-torch.bfloat16) gives it (itself checked bit for bit against dequantize() in test_lut4_isa.py), or
-the int8 codes, which bfloat16 holds exactly -- their products summed in float64, then (int8) times
-the row's scale. The kernel sums the exact products in float32 in an order of the hardware's own,
-so each output must lie within kx * 2^-24 * sum |x| |w| of that (the float32 summation bound).
+"""The fused bf16 batch matmuls (csrc/tiles.h, used by lut4.c and int8w.c) -- on AMX tiles, or with
+AVX512-BF16 dot products where the CPU has no AMX -- against the obviously-correct arithmetic: x
+and the weight as bfloat16 -- the weight exactly as Lut4Weight.decode(..., torch.bfloat16) gives it
+(itself checked bit for bit against dequantize() in test_lut4_isa.py), or the int8 codes, which
+bfloat16 holds exactly -- their products summed in float64, then (int8) times the row's scale. The
+kernel sums the exact products in float32 in an order of the hardware's own, so each output must
+lie within kx * 2^-24 * sum |x| |w| of that (the float32 summation bound).
 
-Where the build has no tiles (no AMX-BF16, e.g. the AMD machines, or Linux refused them) the
-calls return None, and that is what is checked there.
+Where the build has no AVX512-BF16 (e.g. AMD EPYC before Zen 4) the calls return None, and that is
+what is checked there.
 """
 from __future__ import annotations
 
@@ -17,14 +18,19 @@ from fewbits.kernels import native
 
 LIB = native.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no native library")
-TILES = LIB is not None and native.tiles(LIB)
+KIND = LIB is not None and native.tiles_kind(LIB)  # 2: AMX tiles, 1: AVX512-BF16 dot products, 0: neither
+TILES = bool(KIND)
 
 
-def test_tiles_where_the_cpu_has_amx():
-    """The tiles run exactly where the CPU has AMX-BF16 (the build is -march=native), and a weight's
-    tile_matmul says None where they do not."""
-    if "amx_bf16" not in native.cpu_flags():
-        assert not TILES
+def test_tiles_where_the_cpu_has_them():
+    """The AMX tiles run exactly where the CPU has AMX-BF16, the dot products where it has
+    AVX512-BF16 without (the build is -march=native), and a weight's tile_matmul says None where
+    neither does."""
+    flags = native.cpu_flags()
+    if "avx512_bf16" not in flags:
+        assert KIND == 0
+    elif "amx_bf16" not in flags:
+        assert KIND == 1
     w = native.Lut4Weight(torch.zeros(32 * 16, dtype=torch.uint8), torch.ones(32, 1), torch.arange(16.0), 32, 32, 32)
     y = w.tile_matmul(LIB, torch.ones(3, 32, dtype=torch.bfloat16))
     q = native.Int8Weight(torch.ones(32, 32, dtype=torch.int8), torch.ones(32))
@@ -35,7 +41,7 @@ def test_tiles_where_the_cpu_has_amx():
         assert y is None and z is None
 
 
-needs_tiles = pytest.mark.skipif(not TILES, reason="this build has no AMX tiles")
+needs_tiles = pytest.mark.skipif(not TILES, reason="this build has neither AMX tiles nor AVX512-BF16")
 
 
 def _nibbles(codes: torch.Tensor, n: int, row_len: int) -> torch.Tensor:

@@ -971,10 +971,16 @@ class _Lut4Params(ctypes.Structure):
 
 
 def tiles(lib: ctypes.CDLL) -> bool:
-    """Whether this build multiplies bfloat16 batches on AMX tiles (tiles.h: built for a CPU with
-    AMX-BF16, and Linux granted the tiles' state): Lut4Weight.tile_matmul and
-    Int8Weight.tile_matmul return None where not."""
+    """Whether this build has tiles.h's fused bfloat16 batch multiply (on AMX tiles where the CPU
+    has AMX-BF16 and Linux granted the tiles' state, else with AVX512-BF16 dot products):
+    Lut4Weight.tile_matmul and Int8Weight.tile_matmul return None where not."""
     return bool(lib.fb_tiles())
+
+
+def tiles_kind(lib: ctypes.CDLL) -> int:
+    """How tiles.h's batch multiply runs here: 2 on AMX tiles, 1 with AVX512-BF16 dot products,
+    0 not at all."""
+    return int(lib.fb_tiles())
 
 
 def lut4_rc(rc: int) -> None:

@@ -167,9 +167,9 @@ static void int8_tile_rows(const void *ctx, int64_t n0, int64_t nv, int64_t kx, 
 
 /* y [M, N] float32 = (x [M, K] bfloat16 bit patterns, or float32 where x_f32 (rounded to bfloat16
  * in the call, see tiles.h's tiles_pack_x), row stride ldx >= K) @ q.T, each output's float32 sum
- * (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS, see tiles.h)
- * times s[n]. Returns 0; -1 for bad arguments; -2 when its buffers cannot be allocated; -3 where
- * the tiles cannot be used (a build without AMX, or Linux refused them). */
+ * (the codes exact in bfloat16, their products with x exact, summed by TDPBF16PS or VDPBF16PS, see tiles.h)
+ * times s[n]. Returns 0; -1 for bad arguments; -2 when its buffers cannot be allocated; -3 in a
+ * build without AVX512-BF16. */
 int32_t fb_int8w_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t M, const int8_t *q, const float *s,
                              int64_t N, int64_t K, float *y) {
     if (M < 0 || N < 0 || K <= 0 || ldx < K) return -1;
@@ -177,7 +177,6 @@ int32_t fb_int8w_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t 
     (void)x, (void)x_f32, (void)q, (void)s, (void)y;
     return -3;
 #else
-    if (!tiles_permitted()) return -3;
     if (M == 0 || N == 0) return 0;
     const Int8Tiles ctx = {q, K};
     return tiles_matmul(x, x_f32, ldx, K, M, N, (K + 31) / 32 * 32, int8_tile_rows, &ctx, s, y);

@@ -873,10 +873,11 @@ static int decode_row_tiles(const uint8_t *codes, RowParams rp, Table table, int
 }
 #endif
 
-/* 1 where fb_lut4_tile_matmul (and int8w.c's, built alike) runs on AMX tiles here, else 0 */
+/* How fb_lut4_tile_matmul (and int8w.c's, built alike) runs here: 2 on AMX tiles, 1 with
+ * AVX512-BF16 dot products (tiles.h's dp_block), 0 not at all (a build without AVX512-BF16) */
 int32_t fb_tiles(void) {
 #if defined(FB_TILES)
-    return tiles_permitted();
+    return tiles_kind();
 #else
     return 0;
 #endif
@@ -909,13 +910,13 @@ static void lut4_tile_rows(const void *ctx, int64_t n0, int64_t nv, int64_t kx, 
 
 /* y [M, N] float32 = x [M, kx] @ bf16(W).T, x bfloat16 bit patterns or float32 (x_f32: rounded
  * to bfloat16 in the call, see tiles_pack_x), row stride ldx, kx <= K (W's columns from kx on are
- * not read), on AMX tiles (tiles.h): the rows of W decoded 32 at a time to bfloat16 -- bf16 of
- * dequantize()'s float32 weight, rounded as fb_lut4_decode does or, for groups of 16 and of a
- * multiple of 32, by the hardware's conversion (decode_row_tiles) -- into each thread's buffer and
- * multiplied there with float32 sums (TDPBF16PS). Blocks of rows are shared out over torch's
+ * not read), on AMX tiles or with AVX512-BF16 dot products (tiles.h): the rows of W decoded 32
+ * at a time to bfloat16 -- bf16 of dequantize()'s float32 weight, rounded as fb_lut4_decode does
+ * or, for groups of 16 and of a multiple of 32, by the hardware's conversion (decode_row_tiles) --
+ * into each thread's buffer and multiplied there with float32 sums (TDPBF16PS or VDPBF16PS). Blocks of rows are shared out over torch's
  * OpenMP threads; each output is summed by one thread in one order whatever their number.
- * Returns 0; -1 for an unsupported shape; -2 when its buffers cannot be allocated; -3 where the
- * tiles cannot be used (a build without AMX, or Linux refused them). */
+ * Returns 0; -1 for an unsupported shape; -2 when its buffers cannot be allocated; -3 in a build
+ * without AVX512-BF16. */
 int32_t fb_lut4_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t kx, const uint8_t *codes,
                             const Params *P, const float *table16, int64_t M, int64_t N, int64_t K, int64_t group,
                             float *y) {
@@ -924,7 +925,6 @@ int32_t fb_lut4_tile_matmul(const void *x, int32_t x_f32, int64_t ldx, int64_t k
     (void)x, (void)x_f32, (void)codes, (void)table16, (void)y;
     return -3;
 #else
-    if (!tiles_permitted()) return -3;
     if (M == 0 || N == 0) return 0;
     if (kx == 0) {
         memset(y, 0, sizeof(float) * (size_t)(M * N));
