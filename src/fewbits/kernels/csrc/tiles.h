@@ -1,7 +1,8 @@
-/* AMX tiles for fewbits' C kernels. First, the tile state every tile kernel needs (int8mm.c's
- * int8 GEMM too): Linux's grant of the tile registers (tiles_permitted) and the configuration of
- * eight 16 x 64-byte tiles (tiles_begin / tiles_end): FB_TILE_STATE where the compiler targets
- * AMX on Linux. Then, FB_TILES where it targets AVX512-BF16:
+/* AMX tiles (and their stand-in without AMX) for fewbits' C kernels. First, the tile state every
+ * tile kernel needs (int8mm.c's int8 GEMM too): Linux's grant of the tile registers
+ * (tiles_permitted) and the configuration of eight 16 x 64-byte tiles (tiles_begin / tiles_end):
+ * FB_TILE_STATE where the compiler targets AMX on Linux. Then, FB_TILES where it targets
+ * AVX512-BF16:
  *
  * the bfloat16 multiply that fewbits' weight-only batches share: y [M, N] float32 =
  * x [M, K] bfloat16 @ Wb.T, where Wb is the weight decoded to bfloat16 by its own kernel (lut4.c,
@@ -167,11 +168,6 @@ static inline void store_block(const float *c, int64_t i0, int64_t nv, int64_t m
     }
 }
 
-/* tiles_block's product with AVX512-BF16 dot products, for CPUs without AMX: 16 weight rows by 16
- * rows of x at a time, each output's sum in a lane of its own, to which VDPBF16PS adds the two
- * exact products of each k pair in turn (float32, round to nearest even, bfloat16 subnormal
- * inputs read as zero and subnormal results flushed to zero, as TDPBF16PS and oneDNN's bfloat16
- * GEMM on these CPUs), so each output is summed in k order by one instruction stream. */
 /* weight rows i0 .. i0 + WR of the block against the rows of x in XV vectors of 16 from m0: the
  * sums into c[(i - i0) * 16 + j] per vector (WR, XV constants where inlined: the sums stay in
  * registers) */
@@ -192,6 +188,12 @@ static inline __attribute__((always_inline)) void dp_rows(int WR, int XV, const 
     for (int v = 0; v < XV; v++)
         for (int i = 0; i < WR; i++) _mm512_store_ps(c[v] + 16 * (i0 + i), acc[v][i]);
 }
+/* tiles_block's product with AVX512-BF16 dot products, for CPUs without AMX: 16 weight rows by 16
+ * rows of x at a time (8 by 32 where 32 rows of x remain), each output's sum in a lane of its
+ * own, to which VDPBF16PS adds the two exact products of each k pair in turn (float32, round to
+ * nearest even, bfloat16 subnormal inputs read as zero and subnormal results flushed to zero, as
+ * TDPBF16PS and oneDNN's bfloat16 GEMM on these CPUs), so each output is summed in k order by
+ * one instruction stream. */
 static inline void dp_block(const uint16_t *w, int64_t ldw, int64_t ksteps, const uint32_t *xp, int64_t Mp, int64_t M,
                             float *y, int64_t ldy, int64_t nv, const float *scale) {
     float c[2][256] __attribute__((aligned(64))); /* per 16 rows of x: [weight row][row of x] */
