@@ -237,32 +237,60 @@ int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, c
 }
 
 #if defined(FB_VNNI)
-/* rows i0 .. i0 + MR of xu against panel nb: the int32 sums of its 16 columns, then
- * fb_amx_gemv_u8's float32 steps per row (MR a constant where inlined: the sums stay in registers) */
-static inline __attribute__((always_inline)) void vnni_rows(int MR, const uint8_t *xu, int64_t ldx, int64_t kb_n,
-                                                            const int8_t *p, const int32_t *colsum128, const float *sa,
-                                                            const float *db, const float *bias, int64_t j, int64_t n,
-                                                            float *y, int64_t ldy) {
-    __m512i acc[8];
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_si512();
+/* MR rows of xu against NP panels from p (NP 1 or 2, the second kb_n * 1024 bytes on; columns j
+ * on): the int32 sums of their 16 columns each, then fb_amx_gemv_u8's float32 steps per row (MR,
+ * NP constants where inlined: the sums stay in registers; two panels share each broadcast) */
+static inline __attribute__((always_inline)) void vnni_rows(int MR, int NP, const uint8_t *xu, int64_t ldx,
+                                                            int64_t kb_n, const int8_t *p, const int32_t *colsum128,
+                                                            const float *sa, const float *db, const float *bias,
+                                                            int64_t j, int64_t n, float *y, int64_t ldy) {
+    __m512i acc[2][8];
+    for (int q = 0; q < NP; q++)
+        for (int i = 0; i < MR; i++) acc[q][i] = _mm512_setzero_si512();
+    const int64_t next = kb_n * 1024;
     for (int64_t kb = 0; kb < kb_n; kb++, p += 1024) {
         for (int r = 0; r < 16; r++) {
-            const __m512i w = _mm512_loadu_si512(p + 64 * r);
-            for (int i = 0; i < MR; i++) /* row i's 4 activations of panel row r, in every lane */
-                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(((const int32_t *)(xu + i * ldx + 64 * kb))[r]), w);
+            __m512i w[2];
+            for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512(p + q * next + 64 * r);
+            for (int i = 0; i < MR; i++) { /* row i's 4 activations of panel row r, in every lane */
+                const __m512i xv = _mm512_set1_epi32(((const int32_t *)(xu + i * ldx + 64 * kb))[r]);
+                for (int q = 0; q < NP; q++) acc[q][i] = _mm512_dpbusd_epi32(acc[q][i], xv, w[q]);
+            }
         }
     }
-    const int64_t w = n - j < 16 ? n - j : 16;
-    const __mmask16 mk = (__mmask16)((1u << w) - 1u);
-    const __m512i cs = _mm512_maskz_loadu_epi32(mk, colsum128 + j);
-    const __m512 dbv = db ? _mm512_maskz_loadu_ps(mk, db + j) : _mm512_setzero_ps();
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; i++) {
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], cs)), _mm512_set1_ps(sa[i]));
-        if (db) v = _mm512_mul_ps(v, dbv);
-        if (bias) v = _mm512_add_ps(v, bv);
-        _mm512_mask_storeu_ps(y + i * ldy + j, mk, v);
+    for (int q = 0; q < NP; q++) {
+        const int64_t jq = j + 16 * q, w = n - jq < 16 ? n - jq : 16;
+        const __mmask16 mk = (__mmask16)((1u << w) - 1u);
+        const __m512i cs = _mm512_maskz_loadu_epi32(mk, colsum128 + jq);
+        const __m512 dbv = db ? _mm512_maskz_loadu_ps(mk, db + jq) : _mm512_setzero_ps();
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + jq) : _mm512_setzero_ps();
+        for (int i = 0; i < MR; i++) {
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][i], cs)), _mm512_set1_ps(sa[i]));
+            if (db) v = _mm512_mul_ps(v, dbv);
+            if (bias) v = _mm512_add_ps(v, bv);
+            _mm512_mask_storeu_ps(y + i * ldy + jq, mk, v);
+        }
     }
+}
+/* every row of xu against NP panels from panel nb */
+static inline __attribute__((always_inline)) void vnni_panels(int NP, const uint8_t *xu, int64_t m, int64_t ldx,
+                                                              int64_t kb_n, const int8_t *p, const int32_t *colsum128,
+                                                              const float *sa, const float *db, const float *bias,
+                                                              int64_t j, int64_t n, float *y, int64_t ldy) {
+    int64_t i = 0;
+#define VNNI_ROWS(MR) vnni_rows(MR, NP, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, j, n, y + i * ldy, ldy)
+    for (; i + 8 <= m; i += 8) VNNI_ROWS(8);
+    switch (m - i) { /* the last rows, each count its own inlined block */
+    case 7: VNNI_ROWS(7); break;
+    case 6: VNNI_ROWS(6); break;
+    case 5: VNNI_ROWS(5); break;
+    case 4: VNNI_ROWS(4); break;
+    case 3: VNNI_ROWS(3); break;
+    case 2: VNNI_ROWS(2); break;
+    case 1: VNNI_ROWS(1); break;
+    default: break;
+    }
+#undef VNNI_ROWS
 }
 #endif
 
@@ -270,31 +298,23 @@ static inline __attribute__((always_inline)) void vnni_rows(int MR, const uint8_
  * batches): fb_amx_gemv_u8 for each of the m rows of xu [m, kp] (row stride ldx; xq + 128 as
  * there), with the row's own scale sa[i], into y [m, n] (row stride ldy) -- the same exact int32
  * sums and the same float32 steps, so a row's bits are the same alone (fb_amx_gemv_u8) or in a
- * batch. Each thread takes whole panels of 16 columns (a panel, k bytes x 16, stays in the caches
- * while the rows pass over it, 8 at a time). Returns 0, or -1 where the build has no VNNI or for
- * arguments out of range (nothing written). */
+ * batch. Each thread takes whole pairs of panels of 16 columns (two panels, k bytes x 32, stay in
+ * the caches while the rows pass over them, 8 at a time). Returns 0, or -1 where the build has no
+ * VNNI or for arguments out of range (nothing written). */
 int fb_vnni_gemm_u8(const uint8_t *xu, int64_t m, int64_t kp, int64_t ldx, const int8_t *bp, int64_t n,
                     const int32_t *colsum128, const float *sa, const float *db, const float *bias, float *y,
                     int64_t ldy) {
 #if defined(FB_VNNI)
     if (kp % 64 || kp > 65536 || n < 0 || m < 0 || ldx < kp || ldy < n) return -1;
-    const int64_t kb_n = kp / 64, panels = (n + 15) / 16;
+    const int64_t kb_n = kp / 64, panels = (n + 15) / 16, pairs = (panels + 1) / 2;
 #pragma omp parallel for schedule(static) if (panels * m >= 64)
-    for (int64_t nb = 0; nb < panels; nb++) {
+    for (int64_t pp = 0; pp < pairs; pp++) {
+        const int64_t nb = 2 * pp;
         const int8_t *p = bp + nb * kb_n * 1024;
-        int64_t i = 0;
-        for (; i + 8 <= m; i += 8)
-            vnni_rows(8, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy);
-        switch (m - i) { /* the last rows, each count its own inlined block */
-        case 7: vnni_rows(7, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 6: vnni_rows(6, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 5: vnni_rows(5, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 4: vnni_rows(4, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 3: vnni_rows(3, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 2: vnni_rows(2, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        case 1: vnni_rows(1, xu + i * ldx, ldx, kb_n, p, colsum128, sa + i, db, bias, 16 * nb, n, y + i * ldy, ldy); break;
-        default: break;
-        }
+        if (nb + 1 < panels)
+            vnni_panels(2, xu, m, ldx, kb_n, p, colsum128, sa, db, bias, 16 * nb, n, y, ldy);
+        else
+            vnni_panels(1, xu, m, ldx, kb_n, p, colsum128, sa, db, bias, 16 * nb, n, y, ldy);
     }
     return 0;
 #else
