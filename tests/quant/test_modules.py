@@ -560,7 +560,7 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
     if lib is None:
         pytest.skip(native.status()["reason"])
     m = QuantLinear.from_linear(_linear(64, 256), name)
-    rows = qm.LUT4_MAX_BATCH + 5 if extra == 5 else qm.TILE_MAX_VALUES // 256 + 3
+    rows = qm.LUT4_MAX_BATCH + 5 if extra == 5 else qm.tile_limit() // 256 + 3
     x = _x((rows, 256))
     assert qm.bf16_blocks(x) == ops.fast_bf16_matmul()
     calls, tiled = [], []

@@ -1,5 +1,5 @@
 """QuantLinear's tile path: a float32 batch of more than LUT4_MAX_BATCH rows that tile_batch sends to
-the tiles (rows x in_features <= TILE_MAX_VALUES) on the CPU, for a weight-only layer held prepared for lut4.c (dequant kernel) or int8w.c
+the tiles (rows x in_features <= tile_limit()) on the CPU, for a weight-only layer held prepared for lut4.c (dequant kernel) or int8w.c
 (int8pack), goes straight to its AMX tile call where the build has the tiles (forward() skips the
 general path's Python, ~20 us of a 576 x 576 layer's ~50 us). It must give what the general path
 gives, bit for bit, and step aside wherever that path does something else. Where the tiles are
@@ -53,7 +53,7 @@ def test_batches_equal_the_general_path(scheme, bias, monkeypatch):
     assert q._tiles is not None, q.kernel
     seen = _calls(monkeypatch)
     g = torch.Generator().manual_seed(1)
-    for shape in [(qm.LUT4_MAX_BATCH + 1, 320), (3, 5, 320), (2, 2, 4, 320), (qm.TILE_MAX_VALUES // 320, 320)]:
+    for shape in [(qm.LUT4_MAX_BATCH + 1, 320), (3, 5, 320), (2, 2, 4, 320), (qm.tile_limit() // 320, 320)]:
         x = torch.randn(shape, generator=g)
         seen.clear()
         with torch.inference_mode():
@@ -69,7 +69,7 @@ def test_the_general_path_where_the_tile_path_does_not_apply(monkeypatch):
     seen = _calls(monkeypatch)
     g = torch.Generator().manual_seed(2)
     for x in (torch.randn(qm.LUT4_MAX_BATCH, 320, generator=g),  # the fused matmul's rows
-              torch.randn(qm.TILE_MAX_VALUES // 320 + 1, 320, generator=g),  # oneDNN's blocks
+              torch.randn(qm.tile_limit() // 320 + 1, 320, generator=g),  # oneDNN's blocks
               torch.randn(16, 640, generator=g)[:, ::2],  # not contiguous
               torch.randn(16, 320, generator=g).half(), torch.randn(16, 320, generator=g).to(torch.bfloat16)):
         y = q(x)

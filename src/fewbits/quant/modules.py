@@ -300,12 +300,28 @@ LUT4_MAX_BATCH = 8  # up to this many rows of x the fused 4-bit matmul (one pass
 # at 256 rows 3.5-3.9x against 4.0-5.9x; SmolLM2's layers at 256 rows (<= 2^18.6) 2.4-2.8x
 # against 1.6-2.5x (Xeon with AMX, 1 and 2 threads).
 TILE_MAX_VALUES = 1 << 19
+# the same multiply with AVX512-BF16 dot products (CPUs without AMX, tiles.h's dp_block) keeps
+# ahead of oneDNN's blocks further: 4096^2 at 256 rows (2^20 values) 40.8 ms against 47.2 at one
+# thread, 20.5 against 22.1 at two; at 512 rows 82.9 against 83.3 (AMD Zen 4, from the caches)
+DOT_MAX_VALUES = 1 << 21
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_limit(lib) -> int:
+    return DOT_MAX_VALUES if native.tiles_kind(lib) == 1 else TILE_MAX_VALUES
+
+
+def tile_limit() -> int:
+    """The most rows x in_features of a batch that goes to tiles.h's fused multiply here: on AMX
+    tiles TILE_MAX_VALUES, with AVX512-BF16 dot products DOT_MAX_VALUES."""
+    lib = native.library()
+    return TILE_MAX_VALUES if lib is None else _tile_limit(lib)
 
 
 def tile_batch(rows: int, in_features: int) -> bool:
-    """Whether a batch bf16_blocks sends to bf16 goes to the AMX tiles (where the build has them)
-    rather than to oneDNN's GEMM on decoded blocks: one rule for every weight-only kernel."""
-    return rows * in_features <= TILE_MAX_VALUES
+    """Whether a batch bf16_blocks sends to bf16 goes to tiles.h's fused multiply (where the build
+    has it) rather than to oneDNN's GEMM on decoded blocks: one rule for every weight-only kernel."""
+    return rows * in_features <= tile_limit()
 
 
 def _rows_per_block(row_len: int, bits: int, dtype: torch.dtype = torch.float32) -> int:
