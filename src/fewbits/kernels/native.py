@@ -974,7 +974,7 @@ def tiles(lib: ctypes.CDLL) -> bool:
     """Whether this build has tiles.h's fused bfloat16 batch multiply (on AMX tiles where the CPU
     has AMX-BF16 and Linux granted the tiles' state, else with AVX512-BF16 dot products):
     Lut4Weight.tile_matmul and Int8Weight.tile_matmul return None where not."""
-    return bool(lib.fb_tiles())
+    return tiles_kind(lib) > 0
 
 
 def tiles_kind(lib: ctypes.CDLL) -> int:

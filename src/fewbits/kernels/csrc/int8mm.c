@@ -170,6 +170,19 @@ static void store(int32_t acc[4][16][16], int64_t i0, int64_t j0, int64_t m_out,
 
 #if defined(FB_V512) && defined(__AVX512VNNI__)
 #define FB_VNNI 1 /* the panels' VNNI kernels (no tiles: CPUs without AMX run them too) */
+/* one row's outputs from a panel's 16 sums of xq + 128 (columns j on, n in all): y[j + c] =
+ * (float(sums[c] - colsum128[j + c]) * sa) * db[j + c] (+ bias[j + c]) -- the float32 steps of
+ * fb_amx_gemv_u8 and fb_vnni_gemm_u8 alike, so a row gives the same bits alone or in a batch */
+static inline void vnni_store(__m512i sums, const int32_t *colsum128, float sa, const float *db, const float *bias,
+                              int64_t j, int64_t n, float *y) {
+    const int64_t w = n - j < 16 ? n - j : 16;
+    const __mmask16 mk = (__mmask16)((1u << w) - 1u);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_maskz_loadu_epi32(mk, colsum128 + j))),
+                             _mm512_set1_ps(sa));
+    if (db) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, db + j));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + j));
+    _mm512_mask_storeu_ps(y + j, mk, v);
+}
 #endif
 
 /* 1 where fb_amx_gemv_u8 runs here beside the tile GEMM (AMX and VNNI in the build, the tile
@@ -220,14 +233,8 @@ int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, c
                 a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(xw[r + 3]), _mm512_loadu_si512(p + 64 * r + 192));
             }
         }
-        const int64_t j = 16 * nb, w = n - j < 16 ? n - j : 16;
-        const __mmask16 mk = (__mmask16)((1u << w) - 1u);
-        const __m512i acc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
-                                             _mm512_maskz_loadu_epi32(mk, colsum128 + j));
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sa));
-        if (db) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, db + j));
-        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + j));
-        _mm512_mask_storeu_ps(y + j, mk, v);
+        vnni_store(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)), colsum128, sa, db, bias,
+                   16 * nb, n, y);
     }
     return 0;
 #else
@@ -238,7 +245,7 @@ int fb_amx_gemv_u8(const uint8_t *xu, int64_t kp, const int8_t *bp, int64_t n, c
 
 #if defined(FB_VNNI)
 /* MR rows of xu against NP panels from p (NP 1 or 2, the second kb_n * 1024 bytes on; columns j
- * on): the int32 sums of their 16 columns each, then fb_amx_gemv_u8's float32 steps per row (MR,
+ * on): the int32 sums of their 16 columns each, then vnni_store's float32 steps per row (MR,
  * NP constants where inlined: the sums stay in registers; two panels share each broadcast) */
 static inline __attribute__((always_inline)) void vnni_rows(int MR, int NP, const uint8_t *xu, int64_t ldx,
                                                             int64_t kb_n, const int8_t *p, const int32_t *colsum128,
@@ -258,19 +265,8 @@ static inline __attribute__((always_inline)) void vnni_rows(int MR, int NP, cons
             }
         }
     }
-    for (int q = 0; q < NP; q++) {
-        const int64_t jq = j + 16 * q, w = n - jq < 16 ? n - jq : 16;
-        const __mmask16 mk = (__mmask16)((1u << w) - 1u);
-        const __m512i cs = _mm512_maskz_loadu_epi32(mk, colsum128 + jq);
-        const __m512 dbv = db ? _mm512_maskz_loadu_ps(mk, db + jq) : _mm512_setzero_ps();
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + jq) : _mm512_setzero_ps();
-        for (int i = 0; i < MR; i++) {
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][i], cs)), _mm512_set1_ps(sa[i]));
-            if (db) v = _mm512_mul_ps(v, dbv);
-            if (bias) v = _mm512_add_ps(v, bv);
-            _mm512_mask_storeu_ps(y + i * ldy + jq, mk, v);
-        }
-    }
+    for (int q = 0; q < NP; q++)
+        for (int i = 0; i < MR; i++) vnni_store(acc[q][i], colsum128, sa[i], db, bias, j + 16 * q, n, y + i * ldy);
 }
 /* every row of xu against NP panels from panel nb */
 static inline __attribute__((always_inline)) void vnni_panels(int NP, const uint8_t *xu, int64_t m, int64_t ldx,
