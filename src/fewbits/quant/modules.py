@@ -106,6 +106,7 @@ from .scheme import QuantScheme, get_scheme
 from .tensor import STATE_KEYS, QuantizedTensor, expected_keys, quantize, stored_problem
 
 KERNELS = ("int4pack", "int8pack", "w8a8_amx", "w8a8_vnni", "w8a8_onednn", "w8a8_int_mm", "w8a8_fp8", "w4a8", "bf16", "dequant", "dequant_fp32")
+PANEL_KERNELS = ("w8a8_amx", "w8a8_vnni")  # int8mm.c's panels (native.Int8Panels): no torch-op form
 QWEIGHT = "qweight"  # state-dict entries of the quantized weight: <module>.qweight.<QuantizedTensor key>
 # values decoded per block on the dequant path (8 MiB of float32; bfloat16 blocks twice as many
 # values, 8 MiB). Blocks of 2^18 values (1 MiB) left batches of 16-256 rows of 4096-wide layers
@@ -698,7 +699,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             w, call = self._w4a8w, ("fb_w4a8_row", self._w4a8w.row_call(), native.w4a8_row_rc)
         elif kernel == "int8pack" and self._int8w is not None:
             w, call = self._int8w, ("fb_int8w_row", self._int8w.row_call(), native.int8w_rc)
-        elif kernel in ("w8a8_amx", "w8a8_vnni") and self._row_quantized_in_c():
+        elif kernel in PANEL_KERNELS and self._row_quantized_in_c():
             sw = self._qweight.kernel_tensors["weight_scales"]
             w, call = self._panels, ("fb_w8a8_amx_row", self._panels.row_call(sw), native.w8a8_amx_row_rc)
         elif (kernel in ("dequant", "dequant_fp32") and self._lut4w is not None

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ..kernels import native
-from ..quant.modules import QuantLinear, available_kernels
+from ..quant.modules import PANEL_KERNELS, QuantLinear, available_kernels
 from ..quant.scheme import get_scheme
 
 
@@ -216,8 +216,7 @@ def build_fewbits(stack: Stack, label: str) -> Variant:
     def convert(name, m):
         forced = kernel if kernel not in (None, "torch-ops") else "auto"
         if kernel == "torch-ops":  # a kernel whose GEMM is torch's (the panel kernels have no torch-op form)
-            forced = next(k for k in available_kernels(scheme, tuple(m.weight.shape))
-                          if k not in ("w8a8_amx", "w8a8_vnni"))
+            forced = next(k for k in available_kernels(scheme, tuple(m.weight.shape)) if k not in PANEL_KERNELS)
         qls[name] = QuantLinear.from_linear(m, scheme, kernel=forced)
         return qls[name]
 
