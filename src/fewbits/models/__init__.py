@@ -11,6 +11,9 @@
   written as Hugging Face directories tensor by tensor, for scale tests of quantization.
 - `generation`: timed greedy generation (prefill and decode tokens/s) of a transformers model,
   eager or compiled with a static KV cache (`CompiledGenerator`).
+- `decoder`: `LlamaDecoder`, the same greedy generation for Llama / Mistral / Qwen2 models with
+  the forward written out (no transformers Cache or per-layer plumbing), bit for bit
+  transformers' logits.
 - `tiny`: a tiny next-character model trained in about a second, for fast tests.
 
 Importing this package does not import transformers: the loaders do, and raise ImportError
@@ -31,6 +34,7 @@ from .text import (
     TextSplit, pydoc_sentences, pydoc_split, pydoc_split_topics, pydoc_text, pydoc_topics,
 )
 from .generation import CompiledGenerator, GenerationResult, dynamo_graph_breaks, greedy_generate
+from .decoder import LlamaDecoder
 from .synthetic import LLAMA_SHAPES, synthetic_llama_config, write_synthetic_llama
 from .tiny import TINY_CLASSES, TINY_CONTEXT, TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
 
@@ -43,6 +47,6 @@ __all__ = [
     "perplexity_windows", "PerplexityResult",
     "Q4_1_CAVEAT", "SMOLLM2_HINT", "SMOLLM2_GGUF",
     "LLAMA_SHAPES", "synthetic_llama_config", "write_synthetic_llama",
-    "greedy_generate", "CompiledGenerator", "GenerationResult", "dynamo_graph_breaks",
+    "greedy_generate", "CompiledGenerator", "GenerationResult", "dynamo_graph_breaks", "LlamaDecoder",
     "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy", "TINY_CONTEXT", "TINY_CLASSES",
 ]

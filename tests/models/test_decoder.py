@@ -1,0 +1,166 @@
+"""fewbits.models.decoder: LlamaDecoder's written-out forward gives transformers' logits bit for
+bit at every step and greedy_generate's tokens, on tiny random Llama / Mistral / Qwen2 models,
+fewbits-quantized ones and SmolLM2; unsupported models and lengths are refused before any work.
+No timing is checked here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import fewbits as fb  # noqa: E402
+from fewbits.models.decoder import LlamaDecoder  # noqa: E402
+from fewbits.models.generation import greedy_generate  # noqa: E402
+
+NEW = 12
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+
+
+def _model(kind: str = "llama", dtype=torch.float32, **overrides):
+    import transformers
+
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "mistral": ("MistralConfig", "MistralForCausalLM"),
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**SMALL, **overrides})
+    config._attn_implementation = "sdpa"
+    return getattr(transformers, model_cls)(config).to(dtype).eval()
+
+
+def _ids(n: int = 10, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def _stepwise_logits(model, ids: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """transformers' last-position logits of the prompt and of each token fed after it."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.inference_mode():
+        n = ids.shape[1]
+        out.append(model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits)
+        for i in range(tokens.shape[1] - 1):
+            out.append(model(input_ids=tokens[:, i:i + 1], position_ids=torch.tensor([[n + i]]), cache=cache,
+                             use_cache=True, logits_to_keep=1).logits)
+    return out
+
+
+def _check_exact(model, ids, new=NEW):
+    """LlamaDecoder's tokens are greedy_generate's and its logits at each step are transformers'."""
+    ref = greedy_generate(model, ids, new)
+    dec = LlamaDecoder(model)
+    got = dec.generate(ids, new)
+    assert torch.equal(got.tokens, ref.tokens)
+    assert got.prompt_tokens == ids.shape[1] and got.decode_steps == new - 1
+    assert got.prefill_seconds > 0 and got.decode_seconds > 0
+    want = _stepwise_logits(model, ids, ref.tokens)
+    have = dec.step_logits(ids, ref.tokens)
+    assert len(have) == len(want)
+    for i, (a, b) in enumerate(zip(have, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), f"step {i}: max difference {(a - b).abs().max().item()}"
+    return dec, ref
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {}),                                   # grouped-query attention (4 heads, 2 kv)
+    ("llama", {"num_key_value_heads": 4}),           # multi-head
+    ("llama", {"num_key_value_heads": 1, "head_dim": 32}),  # head_dim apart from hidden / heads
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("mistral", {}),
+    ("qwen2", {}),                                   # q/k/v biases
+])
+def test_float_models_bit_for_bit(kind, overrides):
+    _check_exact(_model(kind, **overrides), _ids())
+
+
+def test_bfloat16_model_bit_for_bit():
+    _check_exact(_model("llama", torch.bfloat16), _ids())
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "nf4", "mxfp4", "int8", "w8a8", "w4a8"])
+def test_quantized_model_bit_for_bit(scheme):
+    model = _model("llama")
+    fb.quantize_model(model, scheme, tied="untie")
+    _check_exact(model, _ids())
+
+
+def test_one_token_prompt_and_one_new_token():
+    model = _model()
+    _check_exact(model, _ids(1), new=1)
+    _check_exact(model, _ids(1), new=5)
+
+
+def test_cache_grows_and_is_reused():
+    model = _model()
+    dec = LlamaDecoder(model)
+    short = dec.generate(_ids(), 4)
+    cache = dec._k
+    again = dec.generate(_ids(), 4)
+    assert dec._k is cache and torch.equal(short.tokens, again.tokens)
+    longer = dec.generate(_ids(20), 30)
+    assert dec._k.shape[3] >= 50
+    assert torch.equal(longer.tokens, greedy_generate(model, _ids(20), 30).tokens)
+
+
+def test_a_model_changed_in_place_runs_as_it_is_now():
+    model = _model()
+    dec = LlamaDecoder(model)
+    dec.generate(_ids(), NEW)
+    fb.quantize_model(model, "int4_g32")
+    assert torch.equal(dec.generate(_ids(), NEW).tokens, greedy_generate(model, _ids(), NEW).tokens)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.bias = None
+        model.model.norm.weight.mul_(-1)
+    assert torch.equal(dec.generate(_ids(), NEW).tokens, greedy_generate(model, _ids(), NEW).tokens)
+
+
+def test_smollm2_int4_bit_for_bit():
+    from fewbits.models import load_smollm2
+
+    try:
+        model, _ = load_smollm2()
+    except ImportError as e:
+        pytest.skip(str(e))
+    model.config._attn_implementation = "sdpa"
+    fb.quantize_model(model, "int4", tied="untie")
+    _check_exact(model, _ids(24, 49152), new=8)
+
+
+def test_unsupported_models_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(ValueError, match="model_type is 'gpt2'"):
+        LlamaDecoder(gpt2)
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaDecoder(torch.nn.Linear(2, 2))
+    dynamic = _model(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="'dynamic'"):
+        LlamaDecoder(dynamic)
+    broken = _model()
+    del broken.model.layers[0].mlp.up_proj
+    with pytest.raises(ValueError, match="up_proj"):
+        LlamaDecoder(broken)
+
+
+def test_bad_arguments_and_lengths_are_refused():
+    model = _model()
+    dec = LlamaDecoder(model)
+    with pytest.raises(ValueError, match="batch 1"):
+        dec.generate(torch.zeros(2, 3, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="positive int"):
+        dec.generate(_ids(), 0)
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        dec.generate(_ids(100), 29)
+    windowed = _model("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding window"):
+        LlamaDecoder(windowed).generate(_ids(10), 7)
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        dec.generate(_ids(), 2)
