@@ -52,8 +52,9 @@ def _stepwise_logits(model, ids: torch.Tensor, tokens: torch.Tensor) -> list[tor
 def _check_exact(model, ids, new=NEW):
     """LlamaDecoder's tokens are greedy_generate's and its logits at each step are transformers'."""
     ref = greedy_generate(model, ids, new)
-    dec = LlamaDecoder(model)
+    dec = LlamaDecoder(model, path="torch")
     got = dec.generate(ids, new)
+    assert dec.last_path == "torch"
     assert torch.equal(got.tokens, ref.tokens)
     assert got.prompt_tokens == ids.shape[1] and got.decode_steps == new - 1
     assert got.prefill_seconds > 0 and got.decode_seconds > 0
@@ -164,3 +165,95 @@ def test_bad_arguments_and_lengths_are_refused():
     model.train()
     with pytest.raises(ValueError, match="training mode"):
         dec.generate(_ids(), 2)
+
+
+# --- the native decode step (kernels/csrc/decode.c) ------------------------------------------
+# its reductions (RMSNorm, attention) and exp have their own order and precision, so its logits
+# are the torch path's within a few float32 roundings, relative to the largest logit (measured:
+# 1-3e-7 on the tiny models, see the closing notes); the tokens are the same
+NATIVE_RTOL = 64 * 2.0 ** -24
+
+
+def _check_native(model, ids, new=NEW, rtol=NATIVE_RTOL):
+    ref = LlamaDecoder(model, path="torch")
+    want = ref.generate(ids, new)
+    dec = LlamaDecoder(model, path="native")
+    got = dec.generate(ids, new)
+    assert dec.last_path == "native" and dec.native_reason() is None
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.tokens, greedy_generate(model, ids, new).tokens)
+    have, logits = dec.step_logits(ids, want.tokens), ref.step_logits(ids, want.tokens)
+    assert torch.equal(have[0], logits[0])  # the prompt runs the torch path
+    for i, (a, b) in enumerate(zip(have, logits)):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= rtol, f"step {i}: relative difference {err:.2e}"
+    return dec
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("llama", {"num_key_value_heads": 4}),
+                                            ("qwen2", {}), ("llama", {"head_dim": 32})])
+@pytest.mark.parametrize("scheme", ["int4_g32", "nf4", "nvfp4", "q4_0", "int8", "w8a8", "w4a8"])
+def test_native_step_matches_the_torch_path(kind, overrides, scheme):
+    model = _model(kind, **overrides)
+    fb.quantize_model(model, scheme, tied="untie")
+    _check_native(model, _ids(20), new=20)
+
+
+def test_native_step_at_two_threads_and_across_calls():
+    model = _model()
+    fb.quantize_model(model, "int4_g32")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        dec = _check_native(model, _ids(), new=NEW)
+    finally:
+        torch.set_num_threads(threads)
+    first = dec.generate(_ids(), NEW)
+    longer = dec.generate(_ids(30), 40)  # a larger cache: a new step over it
+    assert torch.equal(first.tokens, dec.generate(_ids(), NEW).tokens)
+    assert torch.equal(longer.tokens, LlamaDecoder(model, path="torch").generate(_ids(30), 40).tokens)
+
+
+def test_auto_falls_back_to_torch_and_native_says_why():
+    model = _model()  # float layers: no one-row C kernel
+    dec = LlamaDecoder(model)
+    assert "no one-row C kernel" in dec.native_reason()
+    dec.generate(_ids(), 3)
+    assert dec.last_path == "torch"
+    with pytest.raises(ValueError, match="path='native' cannot run this model: layer 0's q projection"):
+        LlamaDecoder(model, path="native").generate(_ids(), 3)
+    fb.quantize_model(model, "int4_g32")
+    dec.generate(_ids(), 3)
+    assert dec.last_path == "native"
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert dec.native_reason() == "layer 1's activation is GELU, not SiLU"
+    bf16 = _model(dtype=torch.bfloat16)
+    assert "float32 models" in LlamaDecoder(bf16).native_reason()
+    assert LlamaDecoder(model, path="torch").native_reason() == "path='torch'"
+    with pytest.raises(ValueError, match="path must be one of"):
+        LlamaDecoder(model, path="fast")
+
+
+def test_native_step_without_the_library():
+    from fewbits.kernels import native
+
+    model = _model()
+    fb.quantize_model(model, "int4_g32")
+    with native.turned_off():
+        dec = LlamaDecoder(model)
+        assert "native library is not loaded" in dec.native_reason()
+        r = dec.generate(_ids(), NEW)
+        assert dec.last_path == "torch"
+    assert torch.equal(r.tokens, greedy_generate(model, _ids(), NEW).tokens)
+
+
+def test_smollm2_int4_native_step():
+    from fewbits.models import load_smollm2
+
+    try:
+        model, _ = load_smollm2()
+    except ImportError as e:
+        pytest.skip(str(e))
+    model.config._attn_implementation = "sdpa"
+    fb.quantize_model(model, "int4", tied="untie")
+    _check_native(model, _ids(24, 49152), new=16)

@@ -31,10 +31,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import native
 from ._deps import TRANSFORMERS_HINT, require_modules
 from .generation import GenerationResult, _check, _loop
 
-__all__ = ["LlamaDecoder", "SUPPORTED"]
+__all__ = ["LlamaDecoder", "SUPPORTED", "PATHS"]
+
+# "torch": every step in torch ops (transformers' logits bit for bit); "native": the decode steps
+# (one token) in one C call, kernels/csrc/decode.c, the prompt still in torch ops; "auto": native
+# where it can run (see native_reason), else torch
+PATHS = ("auto", "native", "torch")
+_SILU = ("SiLUActivation", "SiLU")
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
@@ -74,11 +81,15 @@ class LlamaDecoder:
     or not). The cache grows to the longest generation asked for and is kept between calls.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, path: str = "auto"):
         require_modules("LlamaDecoder", ("transformers",), TRANSFORMERS_HINT)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         self.model = model
+        self.path = path
         self._parts()  # refuse an unsupported model now, not at the first generate()
         self._k = self._v = None
+        self.last_path: str | None = None  # the path the last generate() decoded with
 
     # --- the model's parts, looked up at each generate() ----------------------------------------
     def _parts(self):
@@ -139,16 +150,20 @@ class LlamaDecoder:
         weight = embed.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
         device = weight.device
+        native_layers, reason = self._native_layers(parts, dtype, device)
+        if self.path == "native" and native_layers is None:
+            raise ValueError(f"path='native' cannot run this model: {reason}")
         with torch.inference_mode():
-            positions = torch.arange(total, device=device).unsqueeze(0)
-            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
-            cos, sin = cos[0], sin[0]  # [positions, head_dim]
             shape = (len(parts), 1, kv_heads, total, head_dim)
             k = self._k
             if (k is None or k.shape[3] < total or k.shape[:3] != shape[:3] or k.shape[4] != head_dim
                     or k.dtype != dtype or k.device != device):
                 self._k = torch.zeros(shape, dtype=dtype, device=device)
                 self._v = torch.zeros(shape, dtype=dtype, device=device)
+            capacity = self._k.shape[3]
+            positions = torch.arange(capacity, device=device).unsqueeze(0)
+            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [capacity, head_dim]
         k_cache, v_cache = self._k, self._v
 
         def forward(ids, position_ids, cache):
@@ -176,7 +191,57 @@ class LlamaDecoder:
                 h = h + down(act(gate(x)) * up(x))
             return head(_rms_norm(h[:, -1:], norm))
 
-        return forward
+        self.last_path = "torch"
+        if native_layers is None:
+            return forward
+        step = native.DecodeStep(native.library(), native_layers, norm.weight, norm.variance_epsilon, k_cache,
+                                 v_cache, cos, sin, heads, kv_heads, head_dim, scaling)
+        d = step.d
+        self.last_path = "native"
+
+        def native_forward(ids, position_ids, cache):
+            if ids.shape[1] != 1:  # the prompt: torch ops (its batched layers are the tile kernels)
+                return forward(ids, position_ids, cache)
+            h = embed(ids).reshape(d).contiguous()
+            return head(step(h, int(position_ids[0, 0])).view(1, 1, d))
+
+        return native_forward
+
+    def native_reason(self) -> str | None:
+        """Why the native decode step cannot run this model now, or None where it can."""
+        embed, parts, *_ = self._parts()
+        weight = embed.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        return self._native_layers(parts, dtype, weight.device)[1]
+
+    def _native_layers(self, parts, dtype, device):
+        """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
+        if self.path == "torch":
+            return None, "path='torch'"
+        if native.library() is None:
+            return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
+        if dtype != torch.float32 or device.type != "cpu":
+            return None, f"the native step runs float32 models on the CPU, this one is {dtype} on {device}"
+        layers = []
+        names = ("q", "k", "v", "o", "gate", "up", "down")
+        for i, (*linears, act, norm1, norm2) in enumerate(parts):
+            if type(act).__name__ not in _SILU:
+                return None, f"layer {i}'s activation is {type(act).__name__}, not SiLU"
+            spec = {}
+            for name, m in zip(names, linears):
+                get = getattr(m, "row_kernel", None)
+                rk = get() if callable(get) else None
+                if rk is None:
+                    return None, (f"layer {i}'s {name} projection ({type(m).__name__}) has no one-row C kernel "
+                                  f"(fewbits-quantized layers with a weight-only 4- or 8-bit, w4a8 or w8a8 kernel have)")
+                spec[name] = rk
+            for key, n in (("norm1", norm1), ("norm2", norm2)):
+                if n.weight.dtype != torch.float32:
+                    return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
+                spec[key] = n.weight
+            spec["eps1"], spec["eps2"] = norm1.variance_epsilon, norm2.variance_epsilon
+            layers.append(spec)
+        return layers, None
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
         """Greedy generation of max_new_tokens tokens after input_ids (1, prompt length), timed as

@@ -86,6 +86,7 @@ differentiable in x.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
@@ -727,6 +728,23 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
                 row[2](getattr(lib, row[0])(row[1], x.data_ptr(), y.data_ptr()))
                 return y if self.bias is None else _with_bias(y, self.bias, torch.float32)
         return None
+
+    def row_kernel(self) -> native.RowKernel | None:
+        """The C call that forward() makes for one float32 row on the CPU (_row_path's), as a
+        native.RowKernel for C code that calls it itself (models.decoder's decode step): the same
+        function and arguments, so the same bits, with the float32 bias added after it as
+        forward() adds it. None where there is no such call: no native library, a kernel or
+        scheme without a one-row C path, or a bias that is not float32."""
+        row = self._row
+        bias = self.bias
+        if row is None or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        function = ctypes.cast(getattr(lib, row[0]), ctypes.c_void_p).value
+        return native.RowKernel(function, row[1], row[2], None if bias is None else bias.detach(),
+                                self.in_features, self.out_features, row[4])
 
     def _tile_path(self, kernel: str, row):
         """Where float32 batches of more than LUT4_MAX_BATCH rows that tile_batch sends to the AMX
