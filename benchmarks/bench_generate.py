@@ -30,6 +30,12 @@ Variants (one row each, every row in the same run; --variants picks):
   --compile-prefill). fewbits' QuantLinear is one torch.library custom op under the compiler
   (fewbits.quant.modules), so a quantized model compiles as one graph; any graph break
   (torch._dynamo's counters while compiling) is reported, per row and by reason, never hidden;
+- decoder (--decoder picks which of fp32 / bf16 / the fewbits variants):
+  fewbits.models.decoder.LlamaDecoder on the same model: the forward written out in torch ops
+  over the model's modules with a KV cache allocated once (transformers' logits bit for bit),
+  and for quantized models whose every projection has a one-row C kernel the decode steps in
+  one C call each (kernels/csrc/decode.c; the prompt still in torch ops); the note says which
+  path ran;
 - llama.cpp (llama-cpp-python, benchmarks/setup_llama_cpp.sh) on GGUFs of the same weights:
   Q8_0, Q4_0, Q4_1 made by llama.cpp's own quantizer (llama_model_quantize, --pure) from an F32
   (SmolLM2) or BF16 (1B) GGUF that fewbits' write_gguf writes; n_threads = n_threads_batch = the
@@ -79,8 +85,10 @@ LLAMA = {"llama-q8_0": "q8_0", "llama-q4_0": "q4_0", "llama-q4_1": "q4_1"}
 TORCH_VARIANTS = FLOAT + tuple(FEWBITS_SCHEMES) + BNB
 ALL_VARIANTS = TORCH_VARIANTS + tuple(LLAMA)
 DEFAULT_COMPILED = ("fp32", "bf16", "int8", "int4", "w4a8")
+DEFAULT_DECODER = ("fp32", "int8", "w8a8", "int4", "w4a8", "nf4")
 QUICK_VARIANTS = ("fp32", "bf16", "int8", "int4", "w4a8", "nf4", "bnb-nf4", "llama-q4_0")
 QUICK_COMPILED = ("fp32", "int4")
+QUICK_DECODER = ("fp32", "int4")
 MODELS = ("smollm2", "1b")
 
 
@@ -88,7 +96,7 @@ def log(*args):
     print(*args, flush=True)
 
 
-SUFFIX = {"": "", "compile": " +compile"}
+SUFFIX = {"": "", "compile": " +compile", "decoder": " +decoder"}
 
 
 def label(variant: str, mode: str = "") -> str:
@@ -342,6 +350,7 @@ def run_model(name: str, args, work: str) -> dict:
     log(f"prompt {args.prompt_tokens} tokens (pydoc eval text), {args.new_tokens} new tokens, greedy, batch 1")
     variants = [v for v in args.variants if v in TORCH_VARIANTS]
     compiled = [v for v in args.compiled if v in variants]
+    decoded = [v for v in args.decoder if v in variants]
     llama = [v for v in args.variants if v in LLAMA]
     interleave = name == "smollm2"
 
@@ -377,7 +386,8 @@ def run_model(name: str, args, work: str) -> dict:
         return m
 
     # keys: (variant, mode); per thread count: list of rounds
-    keys = [(v, "") for v in variants] + [(v, "compile") for v in compiled] + [(v, "") for v in llama]
+    keys = ([(v, "") for v in variants] + [(v, "compile") for v in compiled] + [(v, "decoder") for v in decoded]
+            + [(v, "") for v in llama])
     results = {t: {k: [] for k in keys} for t in args.threads}
     compile_info: dict = {}
     for threads in args.threads:
@@ -406,7 +416,18 @@ def run_model(name: str, args, work: str) -> dict:
                         if model is None:
                             continue
                         gen = None
-                        if comp:
+                        if comp == "decoder":
+                            gen = gens.get(key)
+                            if gen is None:
+                                from fewbits.models.decoder import LlamaDecoder
+
+                                gen = LlamaDecoder(model)
+                                torch_round(model, ids, 4, gen)
+                                notes[label(v, comp)] = (f"path {gen.last_path}" + (
+                                    f" ({gen.native_reason()})" if gen.last_path != "native" else ""))
+                                if interleave:
+                                    gens[key] = gen
+                        elif comp:
                             gen = gens.get(key)
                             if gen is None:
                                 from fewbits.models.generation import CompiledGenerator
@@ -559,7 +580,7 @@ def report(name, args, rows, compile_info, notes, failed, profiles, n_batch) -> 
                 f"wall {p['wall_ms_per_token']:.1f}, ops {p['op_ms_per_token']:.1f} "
                 f"(matmul ops {p['matmul_ms_per_token']:.1f}); top: {top}")
     for v, note in notes.items():
-        log(f"  note {label(v)}: {note}")
+        log(f"  note {label(v) if v in ALL_VARIANTS else v}: {note}")
     return out
 
 
@@ -596,6 +617,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None, help=f"of {', '.join(ALL_VARIANTS)} (default: all)")
     p.add_argument("--compiled", default=None,
                    help=f"variants also run compiled (default: {','.join(DEFAULT_COMPILED)}; 'none')")
+    p.add_argument("--decoder", default=None,
+                   help=f"variants also run through LlamaDecoder (default: {','.join(DEFAULT_DECODER)}; 'none')")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode (default: inductor's default; e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--compile-prefill", action="store_true", help="compile the prompt's forward too")
@@ -616,6 +639,7 @@ def main(argv=None) -> int:
         args.models, args.new_tokens = "smollm2", min(args.new_tokens, 16)
         args.variants = args.variants or ",".join(QUICK_VARIANTS)
         args.compiled = args.compiled or ",".join(QUICK_COMPILED)
+        args.decoder = args.decoder or ",".join(QUICK_DECODER)
     models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
     args.threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     args.variants = ([v.strip().lower() for v in args.variants.split(",") if v.strip()] if args.variants
@@ -623,6 +647,12 @@ def main(argv=None) -> int:
     args.compiled = ([] if args.compiled == "none" else
                      [v.strip().lower() for v in args.compiled.split(",") if v.strip()] if args.compiled
                      else list(DEFAULT_COMPILED))
+    args.decoder = ([] if args.decoder == "none" else
+                    [v.strip().lower() for v in args.decoder.split(",") if v.strip()] if args.decoder
+                    else list(DEFAULT_DECODER))
+    for v in args.decoder:
+        if v not in FLOAT + tuple(FEWBITS_SCHEMES):
+            p.error(f"unknown decoder variant {v!r}; choose from {', '.join(FLOAT + tuple(FEWBITS_SCHEMES))}")
     for m in models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
