@@ -1500,6 +1500,8 @@ def declare_decode(lib: ctypes.CDLL) -> None:
     lib.fb_decode_attend.restype = None
     lib.fb_decode_silu_mul.argtypes = [p, p, i64]
     lib.fb_decode_silu_mul.restype = None
+    lib.fb_decode_exp.argtypes = [p, i64, p]
+    lib.fb_decode_exp.restype = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1603,7 +1605,7 @@ class DecodeStep:
         norm_f = _f32_vector(norm_f, d, "the final norm's weight")
         cos, sin = cos.contiguous(), sin.contiguous()
         sizes = {"x": d, "q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim,
-                 "att": heads * head_dim, "g": inter, "u": inter, "o": d, "scores": capacity}
+                 "att": heads * head_dim, "g": inter, "u": inter, "o": d, "scores": heads * capacity}
         self._scratch = {n: torch.empty(v, dtype=torch.float32) for n, v in sizes.items()}
         self._keep += [norm_f, cos, sin]
         self._model = _DecModel(len(layers), d, heads, kv_heads, head_dim, inter, capacity,

@@ -8,8 +8,9 @@
  * float32 throughout. The elementwise steps are the torch decode path's operations in its order
  * (rotary: q * cos + rotate_half(q) * sin; -ffp-contract=off keeps each product rounded, so these
  * are bit for bit); the reductions have their own order and precision: the RMSNorm's sum of
- * squares in double, the attention's dot products and weighted sums in float32 over 16 lanes, exp
- * from libm. models/decoder.py's torch path (transformers' sdpa forward bit for bit) is the
+ * squares in double, the attention's dot products and weighted sums in float32 over 16 lanes, and
+ * exp is fexp below (a polynomial the compiler vectorizes, < 2 ulp; libm's expf is a call per value,
+ * ~5% of a SmolLM2 token). models/decoder.py's torch path (transformers' sdpa forward bit for bit) is the
  * reference; tests/kernels/test_decode.py bounds each step against float64 and the whole step
  * against the reference. */
 #include <math.h>
@@ -40,12 +41,46 @@ typedef struct {
     const float *norm_f;        /* [d] the final RMSNorm's weight */
     float eps_f;
     /* scratch: x [d], q [heads * head_dim], k, v [kv_heads * head_dim], att [heads * head_dim],
-     * g, u [inter], o [d], scores [capacity] */
+     * g, u [inter], o [d], scores [heads * capacity] */
     float *x, *q, *k, *v, *att, *g, *u, *o, *scores;
     int64_t failed_layer, failed_linear; /* where a kernel returned non-zero */
 } DecModel;
 
 #define LANES 16
+
+/* e^x in float32: n = rint(x log2 e), r = x - n ln 2 in two steps (Cody-Waite: 0.693359375 holds
+ * few enough bits that n * it is exact), e^r on |r| <= ln2 / 2 by Cephes' expf polynomial, times
+ * 2^n as two powers of two built in the exponent field (each within the normal range, so 2^128 and
+ * 2^-126 scale correctly). Below -87.33654 (where e^x leaves float32's normal range) the result is
+ * 0; past 88.7228 it is inf; NaN stays NaN. Plain arithmetic and selects, so that loops
+ * over it vectorize. Within 2 ulp of e^x on the normal range (tests/kernels/test_decode.py). */
+static inline float fexp(float x) {
+    const float hi = 88.72283935546875f, lo = -87.33654022216797f;
+    const float xc = x > hi ? hi : (x < lo ? lo : x);
+    const float n = rintf(xc * 1.44269504088896341f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
+    const uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    float y = p * s1 * s2;
+    y = x < lo ? 0.0f : y;
+    return x > hi ? INFINITY : y;
+}
+
+/* out[i] = fexp(x[i]): for the tests */
+void fb_decode_exp(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = fexp(x[i]);
+}
 
 /* out = weight * (h * (1 / sqrt(mean(h^2) + eps))): transformers' RMSNorm in float32 with the
  * mean's sum in double */
@@ -79,50 +114,124 @@ void fb_decode_rope(float *x, int64_t n_heads, int64_t hd, const float *cos, con
     }
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
+/* 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two AVX ones elsewhere) */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* the sum of the 16 lanes, pairwise by shuffles */
+static inline float lane_sum(v16 acc) {
+    acc += __builtin_shuffle(acc, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    acc += __builtin_shuffle(acc, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    acc += __builtin_shuffle(acc, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    acc += __builtin_shuffle(acc, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return acc[0];
+}
+
+/* s [n] replaced by e^(s - max s), returning 1 / their sum; the max and the sum over 16 lanes
+ * (a sequential sum was bound by the adds' latency: half of a head-position's time) */
+static float softmax_in_place(float *s, int64_t n) {
+    float mx[LANES];
+    for (int j = 0; j < LANES; j++) mx[j] = -INFINITY;
+    int64_t p = 0;
+    for (; p + LANES <= n; p += LANES)
+        for (int j = 0; j < LANES; j++) mx[j] = s[p + j] > mx[j] ? s[p + j] : mx[j];
+    for (int j = 0; p + j < n; j++) mx[j] = s[p + j] > mx[j] ? s[p + j] : mx[j];
+    float m = -INFINITY;
+    for (int j = 0; j < LANES; j++) m = mx[j] > m ? mx[j] : m;
+    for (p = 0; p < n; p++) s[p] = fexp(s[p] - m);
+    v16 acc = {0};
+    for (p = 0; p + LANES <= n; p += LANES) {
+        v16 x;
+        memcpy(&x, s + p, sizeof x);
+        acc += x;
+    }
+    for (int j = 0; p + j < n; j++) acc[j] += s[p + j];
+    return 1.0f / lane_sum(acc);
+}
+
+/* the dot product of a and b [n]: 16 lanes of partial sums, then summed pairwise across the lanes
+ * by shuffles (a sequential sum of the lanes cost more than the products at head_dim 64) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v16 acc = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    float s = 0.0f;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s;
+    for (; i + LANES <= n; i += LANES) {
+        v16 x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    for (int j = 0; i + j < n; j++) acc[j] += a[i + j] * b[i + j];
+    return lane_sum(acc);
+}
+
+/* out [hd] = (sum over p < len of w[p] v[p]) * scale, v rows hd apart: the sums for 64 columns at
+ * a time held in four registers across the positions (accumulating in memory, each position's
+ * row added into out, was store-bound), each column's sum in position order */
+static void weighted_sum(const float *w, const float *v, int64_t len, int64_t hd, float scale, float *out) {
+    int64_t j0 = 0;
+    for (; j0 + 4 * LANES <= hd; j0 += 4 * LANES) {
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t p = 0; p < len; p++) {
+            const float *vp = v + p * hd + j0;
+            v16 x0, x1, x2, x3;
+            memcpy(&x0, vp, sizeof x0);
+            memcpy(&x1, vp + LANES, sizeof x1);
+            memcpy(&x2, vp + 2 * LANES, sizeof x2);
+            memcpy(&x3, vp + 3 * LANES, sizeof x3);
+            const float c = w[p];
+            a0 += c * x0;
+            a1 += c * x1;
+            a2 += c * x2;
+            a3 += c * x3;
+        }
+        a0 *= scale;
+        a1 *= scale;
+        a2 *= scale;
+        a3 *= scale;
+        memcpy(out + j0, &a0, sizeof a0);
+        memcpy(out + j0 + LANES, &a1, sizeof a1);
+        memcpy(out + j0 + 2 * LANES, &a2, sizeof a2);
+        memcpy(out + j0 + 3 * LANES, &a3, sizeof a3);
+    }
+    for (; j0 + LANES <= hd; j0 += LANES) {
+        v16 a = {0};
+        for (int64_t p = 0; p < len; p++) {
+            v16 x;
+            memcpy(&x, v + p * hd + j0, sizeof x);
+            a += w[p] * x;
+        }
+        a *= scale;
+        memcpy(out + j0, &a, sizeof a);
+    }
+    for (int64_t j = j0; j < hd; j++) {
+        float a = 0.0f;
+        for (int64_t p = 0; p < len; p++) a += w[p] * v[p * hd + j];
+        out[j] = a * scale;
+    }
 }
 
 /* out [heads, hd] = softmax(q k^T * scaling) v for one query per head over positions [0, len)
- * of k, v [kv_heads, capacity, hd]; query head h reads kv head h / (heads / kv_heads) */
+ * of k, v [kv_heads, capacity, hd]; query head h reads kv head h / (heads / kv_heads). The query
+ * heads of one kv head go together, each k and v row read once for all of them. scores: room for
+ * heads * len floats. */
 void fb_decode_attend(const float *q, const float *k, const float *v, int64_t heads, int64_t kv_heads,
                       int64_t capacity, int64_t hd, int64_t len, float scaling, float *scores, float *out) {
     const int64_t group = heads / kv_heads;
-    for (int64_t h = 0; h < heads; h++) {
-        const float *qh = q + h * hd;
-        const float *kh = k + (h / group) * capacity * hd, *vh = v + (h / group) * capacity * hd;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < len; p++) {
-            scores[p] = dot(qh, kh + p * hd, hd) * scaling;
-            if (scores[p] > m) m = scores[p];
-        }
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; p++) {
-            scores[p] = expf(scores[p] - m);
-            sum += scores[p];
-        }
-        float *oh = out + h * hd;
-        for (int64_t j = 0; j < hd; j++) oh[j] = 0.0f;
-        for (int64_t p = 0; p < len; p++) {
-            const float w = scores[p];
-            const float *vp = vh + p * hd;
-            for (int64_t j = 0; j < hd; j++) oh[j] += w * vp[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < hd; j++) oh[j] *= inv;
+    float inv[group];
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *kg = k + g * capacity * hd, *vg = v + g * capacity * hd;
+        const float *qg = q + g * group * hd;
+        float *og = out + g * group * hd;
+        for (int64_t p = 0; p < len; p++)
+            for (int64_t i = 0; i < group; i++) scores[i * len + p] = dot(qg + i * hd, kg + p * hd, hd) * scaling;
+        for (int64_t i = 0; i < group; i++) inv[i] = softmax_in_place(scores + i * len, len);
+        for (int64_t i = 0; i < group; i++) weighted_sum(scores + i * len, vg, len, hd, inv[i], og + i * hd);
     }
 }
 
 /* g = silu(g) * u, silu(x) = x / (1 + exp(-x)) */
 void fb_decode_silu_mul(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + fexp(-g[i])) * u[i];
 }
 
 static int32_t linear(const Lin *l, const float *x, float *y) {
