@@ -533,6 +533,99 @@ def cmd_quantize(args, out) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# fewbits generate
+# ---------------------------------------------------------------------------------------------
+def _causal_lm(spec: str):
+    """(model in eval mode, tokenizer, what was loaded): smollm2, a GGUF file or a Hugging Face
+    directory -- fewbits-quantized ones through fb.from_pretrained (quantized weights as stored),
+    others through transformers in float32."""
+    from .files.hf_quantizer import from_pretrained
+    from .study.quantization import _load_part
+
+    if spec == "smollm2":
+        from .models import load_smollm2
+
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, "SmolLM2-135M-Instruct (packaged)"
+    path = os.path.expanduser(spec)
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ImportError("generation needs transformers: pip install transformers") from None
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(path))
+        tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        return from_pretrained(path), tokenizer, f"{path} (GGUF)"
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"unknown model {spec!r}: use smollm2, a GGUF file or a Hugging Face model directory")
+    try:
+        with open(config) as f:
+            quant = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{config}: unreadable config ({e})") from None
+    tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
+    if quant == "fewbits":
+        return from_pretrained(path), tokenizer, f"{path} (fewbits-quantized)"
+    model = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
+        path, dtype="float32", local_files_only=True)).eval()
+    return model, tokenizer, path
+
+
+def cmd_generate(args, out) -> int:
+    import torch
+
+    from .models.decoder import LlamaDecoder
+    from .quant import get_scheme, quantize_model
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.scheme:
+        get_scheme(args.scheme)  # an unknown name fails before the model loads
+    say = Lines("fewbits", enabled=not args.quiet)
+    say(f"loading {args.model} ...")
+    model, tokenizer, what = _causal_lm(args.model)
+    if args.scheme:
+        say(f"quantizing to {args.scheme} ...")
+        quantize_model(model, args.scheme, tied="untie")
+    decoder = LlamaDecoder(model, path=args.path)
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt")
+        ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    else:
+        ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty")
+    stop = [] if args.no_stop or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    result = decoder.generate(ids, args.max_new_tokens, stop=stop)
+    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+    info = {"model": what, "scheme": args.scheme, "path": decoder.last_path, "threads": torch.get_num_threads(),
+            "prompt": args.prompt, "text": text, "prompt_tokens": result.prompt_tokens,
+            "new_tokens": int(result.tokens.shape[1]), "prefill_tokens_per_s": result.prefill_tokens_per_s,
+            "decode_tokens_per_s": result.decode_tokens_per_s,
+            "stopped_at_eos": bool(stop) and int(result.tokens[0, -1]) in stop}
+    if decoder.last_path != "native":
+        info["native_reason"] = decoder.native_reason()
+    if args.json:
+        _emit_json(info, out)
+        return 0
+    print(text if args.chat else args.prompt + text, file=out)
+    decode = (f"decode {info['new_tokens'] - 1} tokens at {info['decode_tokens_per_s']:.1f} tok/s"
+              if info["new_tokens"] > 1 else "no decode step")
+    print(f"\n[{what}, {args.scheme or 'as stored'}, {info['threads']} thread(s), {decoder.last_path} decode path: "
+          f"prefill {info['prompt_tokens']} tokens at {info['prefill_tokens_per_s']:.0f} tok/s, {decode}"
+          f"{', stopped at end of sequence' if info['stopped_at_eos'] else ''}]", file=out)
+    if "native_reason" in info and args.path == "auto":
+        print(f"[the native decode step did not run: {info['native_reason']}]", file=out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # fewbits train
 # ---------------------------------------------------------------------------------------------
 def _train_progress(quiet: bool):
@@ -956,6 +1049,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("generate", help="generate text from a model, quantized or not, with the fast decode path",
+                       description="Greedy generation from a Llama-architecture causal LM (SmolLM2, a Hugging Face "
+                                   "directory -- fewbits-quantized ones as stored -- or a GGUF file), optionally "
+                                   "quantized first with --scheme, through fewbits.models.LlamaDecoder: the "
+                                   "prompt in torch ops, each new token in one C call where every projection has "
+                                   "a one-row kernel. Prints the text and the prefill and decode speed.")
+    p.add_argument("model", metavar="MODEL", help="smollm2, a Hugging Face model directory or a GGUF file")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--scheme", metavar="NAME", help="quantize to this preset first (e.g. int4, w4a8, nf4, int8; "
+                   "the tied output layer too); default: the model as stored")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--path", choices=("auto", "native", "torch"), default="auto",
+                   help="decode path: native (one C call per token; an error if it cannot run), torch "
+                        "(transformers' logits bit for bit), auto (native where it can run; default)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train", help="train a built-in task under precision policies",
                        description="Train a small GPT-style LM on Python's pydoc_data text (--task lm) or an "

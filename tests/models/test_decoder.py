@@ -257,3 +257,29 @@ def test_smollm2_int4_native_step():
     model.config._attn_implementation = "sdpa"
     fb.quantize_model(model, "int4", tied="untie")
     _check_native(model, _ids(24, 49152), new=16)
+
+
+def test_stop_tokens_end_the_generation():
+    model = _model()
+    dec = LlamaDecoder(model, path="torch")
+    full = dec.generate(_ids(), 20)
+    tokens = full.tokens[0].tolist()
+    k = 5
+    stop = tokens[k]
+    first = tokens.index(stop)  # the first occurrence ends it
+    got = dec.generate(_ids(), 20, stop=[stop, 10_000])
+    assert got.tokens[0].tolist() == tokens[:first + 1] and got.decode_steps == first
+    assert dec.generate(_ids(), 20, stop=tokens[0]).tokens[0].tolist() == tokens[:1]
+    assert torch.equal(dec.generate(_ids(), 20, stop=()).tokens, full.tokens)
+
+
+def test_norm_weights_of_another_dtype_than_the_stream():
+    """float16 norm weights over a float32 stream (as a GGUF's F16 norms load): transformers'
+    product promotes them, so does the torch path, and the native step takes them as float32."""
+    model = _model()
+    for m in model.modules():
+        if type(m).__name__ == "LlamaRMSNorm":
+            m.weight.data = m.weight.data.half()
+    _check_exact(model, _ids())
+    fb.quantize_model(model, "int4_g32")
+    _check_native(model, _ids())

@@ -69,6 +69,12 @@ def _rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * h.to(dtype)
 
 
+def _device_of(module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -147,10 +153,8 @@ class LlamaDecoder:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed max_position_embeddings={limit}")
-        weight = embed.weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        device = weight.device
-        native_layers, reason = self._native_layers(parts, dtype, device)
+        dtype, device = self._stream(embed)
+        native_layers, reason = self._native_layers(parts, dtype, device, norm)
         if self.path == "native" and native_layers is None:
             raise ValueError(f"path='native' cannot run this model: {reason}")
         with torch.inference_mode():
@@ -194,27 +198,34 @@ class LlamaDecoder:
         self.last_path = "torch"
         if native_layers is None:
             return forward
-        step = native.DecodeStep(native.library(), native_layers, norm.weight, norm.variance_epsilon, k_cache,
-                                 v_cache, cos, sin, heads, kv_heads, head_dim, scaling)
+        step = native.DecodeStep(native.library(), native_layers, norm.weight.detach().to(torch.float32),
+                                 norm.variance_epsilon, k_cache, v_cache, cos, sin, heads, kv_heads, head_dim,
+                                 scaling)
         d = step.d
         self.last_path = "native"
 
         def native_forward(ids, position_ids, cache):
             if ids.shape[1] != 1:  # the prompt: torch ops (its batched layers are the tile kernels)
                 return forward(ids, position_ids, cache)
-            h = embed(ids).reshape(d).contiguous()
+            h = embed(ids).reshape(d).to(torch.float32).contiguous()
             return head(step(h, int(position_ids[0, 0])).view(1, 1, d))
 
         return native_forward
 
     def native_reason(self) -> str | None:
         """Why the native decode step cannot run this model now, or None where it can."""
-        embed, parts, *_ = self._parts()
-        weight = embed.weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        return self._native_layers(parts, dtype, weight.device)[1]
+        embed, parts, norm, *_ = self._parts()
+        return self._native_layers(parts, *self._stream(embed), norm)[1]
 
-    def _native_layers(self, parts, dtype, device):
+    @staticmethod
+    def _stream(embed):
+        """The residual stream's dtype and device: what the embedding gives (a quantized one has no
+        float weight; norms' weights may be of another dtype, which their product promotes)."""
+        with torch.inference_mode():
+            probe = embed(torch.zeros(1, 1, dtype=torch.long, device=_device_of(embed)))
+        return probe.dtype, probe.device
+
+    def _native_layers(self, parts, dtype, device, final_norm):
         """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
         if self.path == "torch":
             return None, "path='torch'"
@@ -222,6 +233,8 @@ class LlamaDecoder:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":
             return None, f"the native step runs float32 models on the CPU, this one is {dtype} on {device}"
+        if not final_norm.weight.is_floating_point() or final_norm.weight.dtype == torch.float64:
+            return None, f"the final norm's weight is {final_norm.weight.dtype}"
         layers = []
         names = ("q", "k", "v", "o", "gate", "up", "down")
         for i, (*linears, act, norm1, norm2) in enumerate(parts):
@@ -236,18 +249,20 @@ class LlamaDecoder:
                                   f"(fewbits-quantized layers with a weight-only 4- or 8-bit, w4a8 or w8a8 kernel have)")
                 spec[name] = rk
             for key, n in (("norm1", norm1), ("norm2", norm2)):
-                if n.weight.dtype != torch.float32:
+                if not n.weight.is_floating_point() or n.weight.dtype == torch.float64:
                     return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
-                spec[key] = n.weight
+                spec[key] = n.weight.detach().to(torch.float32)  # exact: what the product promotes it to
             spec["eps1"], spec["eps2"] = norm1.variance_epsilon, norm2.variance_epsilon
             layers.append(spec)
         return layers, None
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, stop=()) -> GenerationResult:
         """Greedy generation of max_new_tokens tokens after input_ids (1, prompt length), timed as
-        generation.greedy_generate times it; the tokens are greedy_generate's."""
+        generation.greedy_generate times it; the tokens are greedy_generate's. stop: token ids
+        (e.g. the tokenizer's end of sequence) that end it early, kept as the last token."""
+        stop = frozenset(int(t) for t in ([stop] if isinstance(stop, int) else stop))
         forward = self._forward(input_ids, max_new_tokens)
-        return _loop(forward, input_ids, max_new_tokens, None)
+        return _loop(forward, input_ids, max_new_tokens, None, stop=stop)
 
     def step_logits(self, input_ids: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """The logits (1, 1, vocab) of the prompt's last position, then of each of tokens (1, n)

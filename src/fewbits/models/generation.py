@@ -91,21 +91,28 @@ def _next_token(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
 
-def _loop(forward, input_ids, max_new_tokens, cache, prefill=None) -> GenerationResult:
-    """The greedy loop; forward(ids, position_ids, cache) -> logits of the last position(s)."""
+def _loop(forward, input_ids, max_new_tokens, cache, prefill=None, stop=None) -> GenerationResult:
+    """The greedy loop; forward(ids, position_ids, cache) -> logits of the last position(s).
+    stop: token ids that end the generation once generated (kept as its last token)."""
     prefill = prefill or forward
     n = input_ids.shape[1]
     out = torch.empty(1, max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
+    made = max_new_tokens
     with torch.inference_mode():
         t0 = time.perf_counter()
         token = _next_token(prefill(input_ids, _positions(0, n, input_ids.device), cache))
         out[:, 0:1] = token
         t1 = time.perf_counter()
-        for i in range(1, max_new_tokens):
+        if stop and int(token) in stop:
+            made = 1
+        for i in range(1, made):
             token = _next_token(forward(token, _positions(n + i - 1, 1, input_ids.device), cache))
             out[:, i:i + 1] = token
+            if stop and int(token) in stop:
+                made = i + 1
+                break
         t2 = time.perf_counter()
-    return GenerationResult(out, n, t1 - t0, t2 - t1, max_new_tokens - 1)
+    return GenerationResult(out[:, :made], n, t1 - t0, t2 - t1, made - 1)
 
 
 def _eager_forward(model):
