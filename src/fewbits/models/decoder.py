@@ -35,7 +35,7 @@ from ..kernels import native
 from ._deps import TRANSFORMERS_HINT, require_modules
 from .generation import GenerationResult, _check, _loop
 
-__all__ = ["LlamaDecoder", "SUPPORTED", "PATHS"]
+__all__ = ["LlamaDecoder"]
 
 # "torch": every step in torch ops (transformers' logits bit for bit); "native": the decode steps
 # (one token) in one C call, kernels/csrc/decode.c, the prompt still in torch ops; "auto": native
