@@ -18,6 +18,15 @@ with enable_gqa, act(gate) * up), so the logits of each step equal `model(...)`'
 The cache is a preallocated [layers, 1, kv_heads, positions, head_dim] pair read through a
 slice of the positions filled so far, where transformers' DynamicCache concatenates.
 
+The native path (path="auto" where it can run, "native" to insist): the prompt as above, then
+each new token in one C call, kernels/csrc/decode.c through native.DecodeStep, the linear layers
+by their own one-row kernels (QuantLinear.row_kernel()). It needs a float32 model on the CPU
+whose every projection has such a kernel and a SiLU MLP; native_reason() says what is missing.
+Its reductions have their own order and precision, so its logits are the torch path's within a
+few float32 roundings (tests/models/test_decoder.py: 64 ulps of the largest logit) -- except
+that where activations are quantized (w8a8, w4a8) such a difference can move an int8 code, and
+the logits then move as much as between transformers' own attention implementations.
+
 Supported: `model.config.model_type` in SUPPORTED, the layer structure of transformers'
 LlamaForCausalLM (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj and act_fn,
 input_layernorm, post_attention_layernorm, model.norm, model.rotary_emb, lm_head), a rotary
@@ -258,8 +267,9 @@ class LlamaDecoder:
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, stop=()) -> GenerationResult:
         """Greedy generation of max_new_tokens tokens after input_ids (1, prompt length), timed as
-        generation.greedy_generate times it; the tokens are greedy_generate's. stop: token ids
-        (e.g. the tokenizer's end of sequence) that end it early, kept as the last token."""
+        generation.greedy_generate times it; on the torch path the tokens are greedy_generate's
+        (on the native path see the module). stop: token ids (e.g. the tokenizer's end of
+        sequence) that end it early, kept as the last token. `last_path` then says which path ran."""
         stop = frozenset(int(t) for t in ([stop] if isinstance(stop, int) else stop))
         forward = self._forward(input_ids, max_new_tokens)
         return _loop(forward, input_ids, max_new_tokens, None, stop=stop)

@@ -119,11 +119,16 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* the sum of the 16 lanes, pairwise by shuffles */
+#if defined(__clang__)
+#define SWAP(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SWAP(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
 static inline float lane_sum(v16 acc) {
-    acc += __builtin_shuffle(acc, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    acc += __builtin_shuffle(acc, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    acc += __builtin_shuffle(acc, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    acc += __builtin_shuffle(acc, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    acc += SWAP(acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += SWAP(acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    acc += SWAP(acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    acc += SWAP(acc, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return acc[0];
 }
 
