@@ -121,7 +121,8 @@ def test_a_model_changed_in_place_runs_as_it_is_now():
     assert torch.equal(dec.generate(_ids(), NEW).tokens, greedy_generate(model, _ids(), NEW).tokens)
 
 
-def test_smollm2_int4_bit_for_bit():
+@pytest.fixture(scope="module")
+def smollm2_int4():
     from fewbits.models import load_smollm2
 
     try:
@@ -130,7 +131,11 @@ def test_smollm2_int4_bit_for_bit():
         pytest.skip(str(e))
     model.config._attn_implementation = "sdpa"
     fb.quantize_model(model, "int4", tied="untie")
-    _check_exact(model, _ids(24, 49152), new=8)
+    return model
+
+
+def test_smollm2_int4_bit_for_bit(smollm2_int4):
+    _check_exact(smollm2_int4, _ids(24, 49152), new=8)
 
 
 def test_unsupported_models_are_refused():
@@ -250,16 +255,8 @@ def test_native_step_without_the_library():
     assert torch.equal(r.tokens, greedy_generate(model, _ids(), NEW).tokens)
 
 
-def test_smollm2_int4_native_step():
-    from fewbits.models import load_smollm2
-
-    try:
-        model, _ = load_smollm2()
-    except ImportError as e:
-        pytest.skip(str(e))
-    model.config._attn_implementation = "sdpa"
-    fb.quantize_model(model, "int4", tied="untie")
-    _check_native(model, _ids(24, 49152), new=16)
+def test_smollm2_int4_native_step(smollm2_int4):
+    _check_native(smollm2_int4, _ids(24, 49152), new=16)
 
 
 def test_stop_tokens_end_the_generation():
