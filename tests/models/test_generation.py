@@ -217,3 +217,15 @@ def test_a_changed_model_is_refused_or_runs_its_new_graph(tiny, change):
             assert torch.equal(got, want)
     finally:
         modeling_llama.LlamaMLP.forward = orig
+
+
+def test_next_token_is_argmax_with_ties_and_nans():
+    from fewbits.models.generation import _next_token
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 16, 100, 49152):
+        for trial in range(40):
+            x = torch.randint(0, 4, (1, 3, n), generator=g).float()  # many ties
+            if trial % 4 == 0:
+                x[0, -1, torch.randint(0, n, (1,), generator=g)] = float("nan")
+            assert torch.equal(_next_token(x), x[:, -1, :].argmax(dim=-1, keepdim=True))

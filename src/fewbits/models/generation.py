@@ -88,7 +88,9 @@ def _positions(start: int, length: int, device) -> torch.Tensor:
 
 
 def _next_token(logits: torch.Tensor) -> torch.Tensor:
-    return logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    # argmax's index (the first of equal maxima, a NaN's where there is one) through max(dim),
+    # whose CPU reduction took 23 us for SmolLM2's 49152 logits where argmax took 65 us
+    return logits[:, -1, :].max(dim=-1, keepdim=True).indices
 
 
 def _loop(forward, input_ids, max_new_tokens, cache, prefill=None, stop=None) -> GenerationResult:
