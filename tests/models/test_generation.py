@@ -229,3 +229,35 @@ def test_next_token_is_argmax_with_ties_and_nans():
             if trial % 4 == 0:
                 x[0, -1, torch.randint(0, n, (1,), generator=g)] = float("nan")
             assert torch.equal(_next_token(x), x[:, -1, :].argmax(dim=-1, keepdim=True))
+
+
+def test_the_garbage_collector_is_off_in_the_loop_and_restored(tiny):
+    import gc
+
+    from fewbits.models.generation import _loop
+
+    model, ids, ref = tiny
+    seen = []
+
+    def forward(i, p, cache):
+        seen.append(gc.isenabled())
+        return model(input_ids=i, position_ids=p, cache=cache, use_cache=True, logits_to_keep=1).logits
+
+    from transformers import DynamicCache
+
+    assert gc.isenabled()
+    r = _loop(forward, ids, NEW, DynamicCache(config=model.config))
+    assert torch.equal(r.tokens, ref) and seen == [False] * NEW and gc.isenabled()
+    gc.disable()
+    try:
+        _loop(forward, ids, 2, DynamicCache(config=model.config))
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
+
+    def failing(i, p, cache):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _loop(failing, ids, 2, None)
+    assert gc.isenabled()
