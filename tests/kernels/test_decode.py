@@ -198,3 +198,19 @@ def test_a_failing_kernel_is_reported_by_its_own_check():
     step = native.DecodeStep(**args)
     with pytest.raises(RuntimeError, match="lut4 kernel refused"):
         step(torch.randn(64), 0)
+
+
+def test_attention_the_same_bits_at_one_and_two_threads():
+    heads, kv, hd, length, capacity = 12, 4, 64, 300, 320
+    g = _gen(11)
+    q, k, v = torch.randn(heads, hd, generator=g), torch.randn(kv, capacity, hd, generator=g), \
+        torch.randn(kv, capacity, hd, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(q, k, v, heads, kv, capacity, hd, length, 0.125)
+        torch.set_num_threads(2)
+        two = _attend(q, k, v, heads, kv, capacity, hd, length, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "threads.h"
+
 typedef int32_t (*RowFn)(const void *args, const float *x, float *y);
 
 typedef struct {
@@ -222,15 +224,19 @@ static void weighted_sum(const float *w, const float *v, int64_t len, int64_t hd
 void fb_decode_attend(const float *q, const float *k, const float *v, int64_t heads, int64_t kv_heads,
                       int64_t capacity, int64_t hd, int64_t len, float scaling, float *scores, float *out) {
     const int64_t group = heads / kv_heads;
-    float inv[group];
+    /* the kv heads over torch's threads (each head's result is the same whoever computes it) */
+#pragma omp parallel for schedule(static) if (kv_heads > 1 && heads * len * hd >= 32768)
     for (int64_t g = 0; g < kv_heads; g++) {
         const float *kg = k + g * capacity * hd, *vg = v + g * capacity * hd;
         const float *qg = q + g * group * hd;
         float *og = out + g * group * hd;
+        float *sg = scores + g * group * len;
         for (int64_t p = 0; p < len; p++)
-            for (int64_t i = 0; i < group; i++) scores[i * len + p] = dot(qg + i * hd, kg + p * hd, hd) * scaling;
-        for (int64_t i = 0; i < group; i++) inv[i] = softmax_in_place(scores + i * len, len);
-        for (int64_t i = 0; i < group; i++) weighted_sum(scores + i * len, vg, len, hd, inv[i], og + i * hd);
+            for (int64_t i = 0; i < group; i++) sg[i * len + p] = dot(qg + i * hd, kg + p * hd, hd) * scaling;
+        for (int64_t i = 0; i < group; i++) {
+            const float inv = softmax_in_place(sg + i * len, len);
+            weighted_sum(sg + i * len, vg, len, hd, inv, og + i * hd);
+        }
     }
 }
 
