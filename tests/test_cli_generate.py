@@ -99,3 +99,28 @@ def test_an_empty_prompt_exits_2(tiny_dir):
 
 def test_main_is_the_console_script():
     assert main(["generate", "--help"]) == 0
+
+
+def test_the_continuation_keeps_its_leading_space(tmp_path):
+    """A Llama-2-style tokenizer (Metaspace, then a decoder that strips one leading space) drops
+    the first new token's space when the new tokens are decoded alone: the printed text decodes
+    them after the prompt instead."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["\u2581hello", "\u2581world", "\u2581the", "\u2581cat"]  # words only: every token prints
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1, right=0)])
+    cfg = transformers.LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    got = json.loads(_generate(tmp_path, "--prompt", "hello world", "--max-new-tokens", 4, "--no-stop", "--json"))
+    words_out = got["text"].split(" ")
+    assert got["text"].startswith(" ") and len(words_out) == 5
+    assert all(w in ("hello", "world", "the", "cat") for w in words_out[1:])
+    out = _generate(tmp_path, "--prompt", "hello world", "--max-new-tokens", 4, "--no-stop")
+    assert out.splitlines()[0] == "hello world" + got["text"]

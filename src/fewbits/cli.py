@@ -588,6 +588,10 @@ def cmd_generate(args, out) -> int:
         get_scheme(args.scheme)  # an unknown name fails before the model loads
     say = Lines("fewbits", enabled=not args.quiet)
     say(f"loading {args.model} ...")
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     model, tokenizer, what = _causal_lm(args.model)
     if args.scheme:
         say(f"quantizing to {args.scheme} ...")
@@ -603,7 +607,12 @@ def cmd_generate(args, out) -> int:
         raise ValueError("the prompt is empty")
     stop = [] if args.no_stop or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     result = decoder.generate(ids, args.max_new_tokens, stop=stop)
-    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+    # the continuation decoded after the prompt, not alone: a tokenizer may drop a leading space
+    # of the first new token when it is decoded on its own (Llama 2's and Mistral's do)
+    before = tokenizer.decode(ids[0], skip_special_tokens=True)
+    whole = tokenizer.decode(torch.cat([ids[0], result.tokens[0]]), skip_special_tokens=True)
+    text = whole[len(before):] if whole.startswith(before) else tokenizer.decode(result.tokens[0],
+                                                                                 skip_special_tokens=True)
     info = {"model": what, "scheme": args.scheme, "path": decoder.last_path, "threads": torch.get_num_threads(),
             "prompt": args.prompt, "text": text, "prompt_tokens": result.prompt_tokens,
             "new_tokens": int(result.tokens.shape[1]), "prefill_tokens_per_s": result.prefill_tokens_per_s,

@@ -283,3 +283,43 @@ def test_norm_weights_of_another_dtype_than_the_stream():
     _check_exact(model, _ids())
     fb.quantize_model(model, "int4_g32")
     _check_native(model, _ids())
+
+
+def test_a_head_dim_past_the_native_steps_limit_runs_the_torch_path():
+    model = _model(num_attention_heads=1, num_key_value_heads=1, head_dim=576)
+    fb.quantize_model(model, "int4_g32", tied="untie")
+    dec = LlamaDecoder(model)
+    assert "head_dim 576" in dec.native_reason()
+    r = dec.generate(_ids(5), 3)
+    assert dec.last_path == "torch"
+    assert torch.equal(r.tokens, LlamaDecoder(model, path="torch").generate(_ids(5), 3).tokens)
+    with pytest.raises(ValueError, match="head_dim 576"):
+        LlamaDecoder(model, path="native").generate(_ids(5), 3)
+
+
+def test_stop_takes_the_forms_token_ids_come_in():
+    import numpy as np
+
+    model = _model()
+    dec = LlamaDecoder(model, path="torch")
+    tokens = dec.generate(_ids(), 12).tokens[0].tolist()
+    first = tokens[3]
+    want = tokens[:tokens.index(first) + 1]
+    for stop in (first, np.int64(first), torch.tensor(first), torch.tensor([first, 9999]), [first, None],
+                 [[first, 9999]], (first,)):
+        assert dec.generate(_ids(), 12, stop=stop).tokens[0].tolist() == want, stop
+    for stop in (None, [], [None]):
+        assert dec.generate(_ids(), 12, stop=stop).tokens[0].tolist() == tokens
+    for stop in ("2", True, 1.5):
+        with pytest.raises(TypeError, match="stop takes token ids"):
+            dec.generate(_ids(), 12, stop=stop)
+
+
+def test_last_path_says_torch_when_no_native_step_ran():
+    model = _model()
+    fb.quantize_model(model, "int4_g32", tied="untie")
+    dec = LlamaDecoder(model)
+    dec.generate(_ids(5), 1)  # the prompt only: torch ops
+    assert dec.last_path == "torch"
+    dec.generate(_ids(5), 2)
+    assert dec.last_path == "native"

@@ -1525,6 +1525,12 @@ class _DecLin(ctypes.Structure):
 
 
 DECODE_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+DECODE_MAX_HEAD_DIM = 512  # decode.c's rotary buffer
+
+
+def decode_heads_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether fb_decode_step takes these attention shapes."""
+    return 2 <= head_dim <= DECODE_MAX_HEAD_DIM and head_dim % 2 == 0 and kv_heads >= 1 and heads % kv_heads == 0
 
 
 class _DecLayer(ctypes.Structure):
@@ -1563,7 +1569,7 @@ class DecodeStep:
                  heads: int, kv_heads: int, head_dim: int, scaling: float):
         if not layers:
             raise ValueError("a decode step needs at least one layer")
-        if head_dim < 2 or head_dim % 2 or head_dim > 512 or kv_heads < 1 or heads % kv_heads:
+        if not decode_heads_ok(heads, kv_heads, head_dim):
             raise ValueError(f"unsupported heads {heads}, kv heads {kv_heads}, head_dim {head_dim}")
         first = layers[0]
         if not all(isinstance(first.get(n), RowKernel) for n in ("q", "gate")):

@@ -37,6 +37,8 @@ new weights) is always run as it is now.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +78,26 @@ def _rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + norm.variance_epsilon)
     return norm.weight * h.to(dtype)
+
+
+def _token_ids(stop) -> list[int]:
+    """Token ids from an int, a tensor, a numpy integer or (nested) lists of them; None (a
+    tokenizer without an end-of-sequence token) and empty lists give none."""
+    if stop is None:
+        return []
+    if isinstance(stop, torch.Tensor):
+        return [int(t) for t in stop.reshape(-1).tolist()]
+    if isinstance(stop, bool):
+        raise TypeError("stop takes token ids, not a bool")
+    if hasattr(stop, "__index__"):
+        return [operator.index(stop)]
+    if isinstance(stop, (str, bytes)):
+        raise TypeError(f"stop takes token ids, not text: {stop!r}")
+    try:
+        items = list(stop)
+    except TypeError:
+        raise TypeError(f"stop takes token ids (ints, tensors or lists of them), got {type(stop).__name__}") from None
+    return [t for item in items for t in _token_ids(item)]
 
 
 def _device_of(module) -> torch.device:
@@ -211,11 +233,11 @@ class LlamaDecoder:
                                  norm.variance_epsilon, k_cache, v_cache, cos, sin, heads, kv_heads, head_dim,
                                  scaling)
         d = step.d
-        self.last_path = "native"
 
         def native_forward(ids, position_ids, cache):
             if ids.shape[1] != 1:  # the prompt: torch ops (its batched layers are the tile kernels)
                 return forward(ids, position_ids, cache)
+            self.last_path = "native"
             h = embed(ids).reshape(d).to(torch.float32).contiguous()
             return head(step(h, int(position_ids[0, 0])).view(1, 1, d))
 
@@ -242,6 +264,10 @@ class LlamaDecoder:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":
             return None, f"the native step runs float32 models on the CPU, this one is {dtype} on {device}"
+        _, _, _, _, _, heads, kv_heads, head_dim, _ = self._parts()
+        if not native.decode_heads_ok(heads, kv_heads, head_dim):
+            return None, (f"the native step takes an even head_dim up to {native.DECODE_MAX_HEAD_DIM} and heads a "
+                          f"multiple of kv heads; this model has head_dim {head_dim}, {heads} heads, {kv_heads} kv heads")
         if not final_norm.weight.is_floating_point() or final_norm.weight.dtype == torch.float64:
             return None, f"the final norm's weight is {final_norm.weight.dtype}"
         layers = []
@@ -270,7 +296,7 @@ class LlamaDecoder:
         generation.greedy_generate times it; on the torch path the tokens are greedy_generate's
         (on the native path see the module). stop: token ids (e.g. the tokenizer's end of
         sequence) that end it early, kept as the last token. `last_path` then says which path ran."""
-        stop = frozenset(int(t) for t in ([stop] if isinstance(stop, int) else stop))
+        stop = frozenset(_token_ids(stop))
         forward = self._forward(input_ids, max_new_tokens)
         return _loop(forward, input_ids, max_new_tokens, None, stop=stop)
 

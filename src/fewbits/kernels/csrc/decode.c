@@ -58,7 +58,7 @@ typedef struct {
  * over it vectorize. Within 2 ulp of e^x on the normal range (tests/kernels/test_decode.py). */
 static inline float fexp(float x) {
     const float hi = 88.72283935546875f, lo = -87.33654022216797f;
-    const float xc = x > hi ? hi : (x < lo ? lo : x);
+    const float xc = x > hi ? hi : (x >= lo ? x : lo); /* NaN -> lo: no NaN reaches the int conversion */
     const float n = rintf(xc * 1.44269504088896341f);
     float r = xc - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -76,7 +76,8 @@ static inline float fexp(float x) {
     memcpy(&s2, &b2, 4);
     float y = p * s1 * s2;
     y = x < lo ? 0.0f : y;
-    return x > hi ? INFINITY : y;
+    y = x > hi ? INFINITY : y;
+    return x != x ? x : y;
 }
 
 /* out[i] = fexp(x[i]): for the tests */
@@ -101,6 +102,7 @@ void fb_decode_rms_norm(const float *h, const float *weight, float eps, int64_t 
 
 /* x [n_heads, hd] rotated in place: x * cos + rotate_half(x) * sin */
 void fb_decode_rope(float *x, int64_t n_heads, int64_t hd, const float *cos, const float *sin) {
+    if (hd > 512 || hd % 2) return; /* fb_decode_step refuses such shapes first */
     const int64_t half = hd / 2;
     float rot[512];
     for (int64_t h = 0; h < n_heads; h++) {
