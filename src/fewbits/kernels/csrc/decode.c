@@ -9,10 +9,10 @@
  * (rotary: q * cos + rotate_half(q) * sin; -ffp-contract=off keeps each product rounded, so these
  * are bit for bit); the reductions have their own order and precision: the RMSNorm's sum of
  * squares in double, the attention's dot products and weighted sums in float32 over 16 lanes, and
- * exp is fexp below (a polynomial the compiler vectorizes, < 2 ulp; libm's expf is a call per value,
- * ~5% of a SmolLM2 token). models/decoder.py's torch path (transformers' sdpa forward bit for bit) is the
- * reference; tests/kernels/test_decode.py bounds each step against float64 and the whole step
- * against the reference. */
+ * exp is fexp below (a polynomial the compiler vectorizes, < 2 ulp, where libm's expf is a call
+ * per value). models/decoder.py's torch path (transformers' sdpa forward bit for bit) is the
+ * reference; tests/kernels/test_decode.py bounds each step against float64, and
+ * tests/models/test_decoder.py the whole step against the reference. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
