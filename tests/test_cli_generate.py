@@ -47,7 +47,7 @@ def test_text_output_names_the_path(tiny_dir):
     out = _generate(tiny_dir, "--prompt", "hi", "--max-new-tokens", 3, "--threads", 1)
     assert out.startswith("hi")
     assert "1 thread(s), torch decode path" in out and "no one-row C kernel" in out
-    out = _generate(tiny_dir, "--prompt", "hi", "--max-new-tokens", 3, "--scheme", "w4a8", "--path", "native")
+    out = _generate(tiny_dir, "--prompt", "hi", "--max-new-tokens", 3, "--scheme", "nf4", "--path", "native")
     assert "native decode path" in out and "did not run" not in out
 
 
