@@ -124,3 +124,25 @@ def test_the_continuation_keeps_its_leading_space(tmp_path):
     assert all(w in ("hello", "world", "the", "cat") for w in words_out[1:])
     out = _generate(tmp_path, "--prompt", "hello world", "--max-new-tokens", 4, "--no-stop")
     assert out.splitlines()[0] == "hello world" + got["text"]
+
+
+@pytest.mark.parametrize("damage", ["config", "weights", "gguf"])
+def test_broken_model_files_exit_2_with_one_line(tiny_dir, tmp_path, damage):
+    """A model read from disk is checked before use: a broken config.json, weights file or GGUF
+    is one line on stderr and exit code 2, never a traceback."""
+    import shutil
+
+    if damage == "gguf":
+        path = tmp_path / "m.gguf"
+        path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)  # a header, then garbage
+    else:
+        path = tmp_path / "m"
+        shutil.copytree(tiny_dir, path)
+        if damage == "config":
+            (path / "config.json").write_text('{"model_type": "llama", ')
+        else:
+            weights = path / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:100])
+    rc, out, err = run(["generate", str(path), "--prompt", "x", "--quiet"])
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and str(path) in err
