@@ -5,8 +5,6 @@ of their own steps; DecodeStep's checks of its arguments. The whole step against
 decode path is tested in tests/models/test_decoder.py."""
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -129,8 +127,7 @@ def _kernel(n_in, n_out):
     """A RowKernel computing y = 0 (fb_lut4_row over zero codes)."""
     w = native.Lut4Weight(torch.zeros(n_out * n_in // 2, dtype=torch.uint8), torch.ones(n_out, n_in // 32),
                           torch.arange(16.0), n_out, n_in, 32)
-    fn = ctypes.cast(LIB.fb_lut4_row, ctypes.c_void_p).value
-    return native.RowKernel(fn, w.row_call(n_in), native.lut4_rc, None, n_in, n_out, w)
+    return native.RowKernel(native.function_address(LIB, "fb_lut4_row"), w.row_call(n_in), native.lut4_rc, None, n_in, n_out, w)
 
 
 def _step_args(d=64, heads=2, kv=1, hd=32, inter=96, capacity=8, layers=2):

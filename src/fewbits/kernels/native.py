@@ -1504,6 +1504,11 @@ def declare_decode(lib: ctypes.CDLL) -> None:
     lib.fb_decode_exp.restype = None
 
 
+def function_address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of one of the library's functions, for C code that calls it (RowKernel)."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
 @dataclasses.dataclass(frozen=True)
 class RowKernel:
     """A layer's one-row C call, y [out] = f(args, x [in]) (+ bias): the address of a function

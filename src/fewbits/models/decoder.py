@@ -185,7 +185,7 @@ class LlamaDecoder:
         if limit is not None and total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed max_position_embeddings={limit}")
         dtype, device = self._stream(embed)
-        native_layers, reason = self._native_layers(parts, dtype, device, norm)
+        native_layers, reason = self._native_layers(parts, dtype, device, norm, (heads, kv_heads, head_dim))
         if self.path == "native" and native_layers is None:
             raise ValueError(f"path='native' cannot run this model: {reason}")
         with torch.inference_mode():
@@ -245,8 +245,8 @@ class LlamaDecoder:
 
     def native_reason(self) -> str | None:
         """Why the native decode step cannot run this model now, or None where it can."""
-        embed, parts, norm, *_ = self._parts()
-        return self._native_layers(parts, *self._stream(embed), norm)[1]
+        embed, parts, norm, _, _, heads, kv_heads, head_dim, _ = self._parts()
+        return self._native_layers(parts, *self._stream(embed), norm, (heads, kv_heads, head_dim))[1]
 
     @staticmethod
     def _stream(embed):
@@ -256,7 +256,7 @@ class LlamaDecoder:
             probe = embed(torch.zeros(1, 1, dtype=torch.long, device=_device_of(embed)))
         return probe.dtype, probe.device
 
-    def _native_layers(self, parts, dtype, device, final_norm):
+    def _native_layers(self, parts, dtype, device, final_norm, attention):
         """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
         if self.path == "torch":
             return None, "path='torch'"
@@ -264,7 +264,7 @@ class LlamaDecoder:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":
             return None, f"the native step runs float32 models on the CPU, this one is {dtype} on {device}"
-        _, _, _, _, _, heads, kv_heads, head_dim, _ = self._parts()
+        heads, kv_heads, head_dim = attention
         if not native.decode_heads_ok(heads, kv_heads, head_dim):
             return None, (f"the native step takes an even head_dim up to {native.DECODE_MAX_HEAD_DIM} and heads a "
                           f"multiple of kv heads; this model has head_dim {head_dim}, {heads} heads, {kv_heads} kv heads")

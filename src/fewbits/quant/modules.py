@@ -86,7 +86,6 @@ differentiable in x.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import math
@@ -742,8 +741,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         lib = native.library()
         if lib is None:
             return None
-        function = ctypes.cast(getattr(lib, row[0]), ctypes.c_void_p).value
-        return native.RowKernel(function, row[1], row[2], None if bias is None else bias.detach(),
+        return native.RowKernel(native.function_address(lib, row[0]), row[1], row[2], None if bias is None else bias.detach(),
                                 self.in_features, self.out_features, row[4])
 
     def _tile_path(self, kernel: str, row):
