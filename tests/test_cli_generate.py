@@ -146,3 +146,11 @@ def test_broken_model_files_exit_2_with_one_line(tiny_dir, tmp_path, damage):
     rc, out, err = run(["generate", str(path), "--prompt", "x", "--quiet"])
     assert rc == 2 and out == "" and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and str(path) in err
+
+
+def test_one_new_token_is_the_prompt_alone(tiny_dir):
+    got = json.loads(_generate(tiny_dir, "--prompt", "hello", "--scheme", "int4_g32", "--max-new-tokens", 1,
+                               "--json"))
+    assert got["new_tokens"] == 1 and got["path"] == "torch" and "native_reason" not in got
+    out = _generate(tiny_dir, "--prompt", "hello", "--scheme", "int4_g32", "--max-new-tokens", 1)
+    assert "no decode step" in out and "did not run" not in out

@@ -618,8 +618,9 @@ def cmd_generate(args, out) -> int:
             "new_tokens": int(result.tokens.shape[1]), "prefill_tokens_per_s": result.prefill_tokens_per_s,
             "decode_tokens_per_s": result.decode_tokens_per_s,
             "stopped_at_eos": bool(stop) and int(result.tokens[0, -1]) in stop}
-    if decoder.last_path != "native":
-        info["native_reason"] = decoder.native_reason()
+    reason = decoder.native_reason() if decoder.last_path != "native" else None
+    if reason is not None:  # None too where no step was left to decode (one new token)
+        info["native_reason"] = reason
     if args.json:
         _emit_json(info, out)
         return 0
