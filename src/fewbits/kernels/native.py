@@ -85,7 +85,7 @@ except ImportError:  # not POSIX (Windows): no checked load there, the torch ker
     fcntl = None
 
 SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c", "int8w.c", "decode.c")
-HEADERS = ("vec16.h", "threads.h", "tiles.h")
+HEADERS = ("vec16.h", "threads.h", "rowwalk.h", "tiles.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
 # torch (torch loads its libgomp.so.1 first; the loader reuses a library already loaded under

@@ -18,12 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include "threads.h"
+#include "rowwalk.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #define INT8W_MAX_M 8
-#define PREFETCH_AHEAD 4 /* rows of codes asked for ahead of the one being multiplied, a line at a time */
 
 /* out[m] = sum_k q[k] * x[m * ldx + k] for m < MR: MR a compile-time constant, each row's sum in
  * NACC accumulators (a multiply-add waits 4 cycles for the previous one into the same register:
@@ -58,7 +58,7 @@ static inline float v_sum(V v) {
             for (int a = 0; a < NACC; a++) acc[m][a] = v_zero();                                 \
         int64_t k = 0;                                                                           \
         for (; k + NACC * VW <= K; k += NACC * VW) {                                             \
-            if (ahead && (k & 63) < NACC * VW) __builtin_prefetch(ahead + k); /* a line a row ahead */ \
+            if (ahead && (k & 63) < NACC * VW) __builtin_prefetch(ahead + k); /* a line ROW_PREFETCH_WEIGHTS on */ \
             for (int a = 0; a < NACC; a++) {                                                     \
                 const V w = v_codes(q + k + a * VW);                                             \
                 for (int m = 0; m < MR; m++) acc[m][a] = v_fma(w, x + m * ldx + k + a * VW, acc[m][a]); \
@@ -113,11 +113,17 @@ int32_t fb_int8w_matmul(const float *x, int64_t ldx, int64_t M, const int8_t *q,
                         int64_t K, float *y) {
     if (M < 0 || M > INT8W_MAX_M || N < 0 || K <= 0 || ldx < K) return -1;
     if (M == 0) return 0;
-#pragma omp parallel for schedule(static) if (N >= 64)
-    for (int64_t n = 0; n < N; n++) {
-        float sums[INT8W_MAX_M];
-        row_sums(q + n * K, x, ldx, M, K, n + PREFETCH_AHEAD < N ? q + (n + PREFETCH_AHEAD) * K : NULL, sums);
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = sums[m] * s[n];
+#pragma omp parallel if (N >= 64)
+    {
+        const RowWalk w = row_walk(N, THREAD_ID, TEAM_THREADS); /* rowwalk.h: four streams of rows */
+        for (int64_t i = 0; i < w.visits; i++) {
+            const int64_t n = row_walk_row(&w, i);
+            if (n < 0) continue;
+            float sums[INT8W_MAX_M];
+            const int64_t ahead = row_walk_ahead(n, row_walk_end(&w, i), K, ROW_PREFETCH_BYTES(8));
+            row_sums(q + n * K, x, ldx, M, K, ahead ? q + n * K + ahead : NULL, sums);
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = sums[m] * s[n];
+        }
     }
     return 0;
 }

@@ -46,6 +46,7 @@
 #include <immintrin.h>
 #endif
 #include "threads.h"
+#include "rowwalk.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -727,13 +728,18 @@ int32_t fb_lut4_matmul(const float *x, int64_t x_stride, int64_t kx, const uint8
 #if W == 16
     if (M == 1 && one_row_path(K, group, P)) {
         one_row_layout(x, kx, K, split); /* split holds K + 1 floats, x8 (K rounded up to 128) at most K + 96 */
-#pragma omp parallel for schedule(static) if (N >= 64)
-        for (int64_t n = 0; n < N; n++) {
+#pragma omp parallel if (N >= 64)
+        {
             float *bs = scratch + (int64_t)THREAD_ID * 3 * groups;
-            const RowParams rp = row_params(P, &lut, n, groups, bs, bs + groups, bs + 2 * groups);
-            /* each chunk asks for its line PREFETCH_ROWS rows on (none past the last row) */
-            const int64_t ahead = n + PREFETCH_ROWS < N ? PREFETCH_ROWS * half : 0;
-            y[n] = one_row(split, codes + n * half, rp, table, K, kx, group, ahead);
+            const RowWalk w = row_walk(N, THREAD_ID, TEAM_THREADS); /* rowwalk.h: four streams of rows */
+            for (int64_t i = 0; i < w.visits; i++) {
+                const int64_t n = row_walk_row(&w, i);
+                if (n < 0) continue;
+                const RowParams rp = row_params(P, &lut, n, groups, bs, bs + groups, bs + 2 * groups);
+                /* each chunk asks for the line ROW_PREFETCH_WEIGHTS on in its stream */
+                const int64_t ahead = row_walk_ahead(n, row_walk_end(&w, i), half, ROW_PREFETCH_BYTES(4));
+                y[n] = one_row(split, codes + n * half, rp, table, K, kx, group, ahead);
+            }
         }
         M = 0; /* done */
     }

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "threads.h"
+#include "rowwalk.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -39,9 +40,6 @@
 
 #define CHUNK 128 /* columns per step */
 #define LANES 16
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 4
-#endif
 
 enum { P_F32 = 0, P_F16 = 1, P_BF16 = 2 };
 
@@ -394,35 +392,41 @@ int32_t fb_w4a8_matmul(const int8_t *xq, const float *sx, int64_t M, const uint8
 #else
     (void)force_scalar;
 #endif
-#pragma omp parallel for schedule(static) if (N >= 64)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = codes + n * half;
-        if (n + PREFETCH_ROWS < N) prefetch_codes(codes + (n + PREFETCH_ROWS) * half, half);
-        const int64_t po = n * blocks; /* this row's parameters */
-        const void *sn = s_kind == P_F32 ? (const void *)((const float *)s + po) : (const void *)((const uint16_t *)s + po);
-        const void *mnn = !mn ? NULL : m_kind == P_F32 ? (const void *)((const float *)mn + po)
-                                                        : (const void *)((const uint16_t *)mn + po);
+#pragma omp parallel if (N >= 64)
+    {
+        const RowWalk w = row_walk(N, THREAD_ID, TEAM_THREADS); /* rowwalk.h: four streams of rows */
+        for (int64_t i = 0; i < w.visits; i++) {
+            const int64_t n = row_walk_row(&w, i);
+            if (n < 0) continue;
+            const uint8_t *row = codes + n * half;
+            const int64_t ahead = row_walk_ahead(n, row_walk_end(&w, i), half, ROW_PREFETCH_BYTES(4));
+            if (ahead) prefetch_codes(row + ahead, half); /* a row of lines, ROW_PREFETCH_WEIGHTS on in its stream */
+            const int64_t po = n * blocks; /* this row's parameters */
+            const void *sn = s_kind == P_F32 ? (const void *)((const float *)s + po) : (const void *)((const uint16_t *)s + po);
+            const void *mnn = !mn ? NULL : m_kind == P_F32 ? (const void *)((const float *)mn + po)
+                                                            : (const void *)((const uint16_t *)mn + po);
 #ifdef W4_VNNI
-        if (vector && fast) { /* VNNI_ROWS rows of x per pass: each chunk of codes decoded once for them */
-            for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS)
-                fast(row, sn, mnn, K, chunks, &rows[m0], (int)(M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS), y + m0 * N + n, N);
-            continue;
-        }
-#endif
-        for (int64_t m = 0; m < M; m++) {
-#ifdef W4_VNNI
-            if (vector) {
-                y[m * N + n] = dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+            if (vector && fast) { /* VNNI_ROWS rows of x per pass: each chunk of codes decoded once for them */
+                for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS)
+                    fast(row, sn, mnn, K, chunks, &rows[m0], (int)(M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS), y + m0 * N + n, N);
                 continue;
             }
+#endif
+            for (int64_t m = 0; m < M; m++) {
+#ifdef W4_VNNI
+                if (vector) {
+                    y[m * N + n] = dot_vnni(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                    continue;
+                }
 #endif
 #ifdef W4_AVX2
-            if (vector) {
-                y[m * N + n] = dot_avx2(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
-                continue;
-            }
+                if (vector) {
+                    y[m * N + n] = dot_avx2(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                    continue;
+                }
 #endif
-            y[m * N + n] = dot_scalar(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+                y[m * N + n] = dot_scalar(row, sn, mnn, s_kind, m_kind, is_signed, K, chunks, &rows[m]);
+            }
         }
     }
     (void)vector;
