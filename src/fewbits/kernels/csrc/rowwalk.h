@@ -6,9 +6,10 @@
  * into ROW_STREAMS runs of consecutive rows, and the thread takes a row from each run in turn:
  * rows lo, lo + q, lo + 2q, lo + 3q, lo + 1, lo + q + 1, ... So ROW_STREAMS streams of codes are
  * read at once, a row at a time, far apart in memory. One core's hardware prefetchers follow
- * each stream within its 4 KiB page; with one stream at a time the codes came from memory at
- * ~7 GB/s (Xeon, one thread, 34 MB of int4 codes), with four 1.25-1.3x faster at one and two
- * threads, close to a plain read of the same bytes (benchmarks/README.md, "Row streams").
+ * each stream within its 4 KiB page; with one stream at a time one core took the codes from
+ * memory at ~7-8 GB/s (Xeon, 34 MB of int4 codes), below a plain read of them (~10 GB/s).
+ * benchmarks/bench_row_streams.py, weights from memory, Xeon: four streams 1.07-1.20x one stream
+ * on 4 x 4096^2 (int4, nf4, w4a8, int8; 1 and 2 threads), eight 1.02-1.14x.
  * Each row's own arithmetic is unchanged: the results are the same bits in any order.
  *
  * Software prefetch within a stream: ROW_PREFETCH_WEIGHTS weights ahead of the one being read (1
