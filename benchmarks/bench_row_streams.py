@@ -3,7 +3,9 @@
 Builds the native library three times into a private temporary directory, from the same
 sources with different -D settings of rowwalk.h:
   1 stream     ROW_STREAMS=1, ROW_PREFETCH_WEIGHTS=16384: each thread walks its rows in order
-               and prefetches four 4096-wide rows ahead, as the kernels did before rowwalk.h
+               and prefetches 16384 weights ahead: four 4096-wide rows, as the kernels did
+               before rowwalk.h on the 4096 layers (they prefetched four rows of any width: on
+               SmolLM2's 576 / 1536-wide rows this build prefetches 28 / 10.7 rows ahead)
   4 streams    the default (ROW_STREAMS=4, ROW_PREFETCH_WEIGHTS=2048)
   8 streams    ROW_STREAMS=8
 and times the one-row C call of fewbits' QuantLinear layers (int4 g128, nf4, w4a8, int8: the

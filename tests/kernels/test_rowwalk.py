@@ -23,9 +23,17 @@ ROWS = [4, 7, 64, 65, 67, 130, 257]
 
 @pytest.fixture
 def threads():
+    """torch's thread count restored after the test, and torch.empty filled with NaN meanwhile
+    (deterministic mode): a row the walk skips would otherwise keep the right bits from an
+    earlier call whose freed output buffer the next call reuses"""
     before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(before)
 
 
 def _layer(scheme: str, weight: torch.Tensor) -> QuantLinear:
@@ -50,7 +58,7 @@ def test_every_row_once_with_its_own_bits_at_one_and_two_threads(threads, scheme
     with torch.inference_mode():
         for t in (1, 2):
             torch.set_num_threads(t)
-            for _ in range(2):  # the output buffer of an earlier call does not leak into this one
+            for _ in range(2):
                 y = q(x)
                 assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), (scheme, n, t)
     ref = q.reference_forward(x)
