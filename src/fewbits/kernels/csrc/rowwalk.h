@@ -2,7 +2,7 @@
  * matrix-vector products of decoding (one or a few rows of x against every row of W, whose codes
  * come from memory at each call).
  *
- * A thread's rows [lo, hi) (the same contiguous share as schedule(static) would give it) are cut
+ * A thread's rows [lo, hi) (a contiguous share, as schedule(static) gives: N t / T .. N (t + 1) / T) are cut
  * into ROW_STREAMS runs of consecutive rows, and the thread takes a row from each run in turn:
  * rows lo, lo + q, lo + 2q, lo + 3q, lo + 1, lo + q + 1, ... So ROW_STREAMS streams of codes are
  * read at once, a row at a time, far apart in memory. One core's hardware prefetchers follow
