@@ -2,10 +2,10 @@
  * matrix-vector products of decoding (one or a few rows of x against every row of W, whose codes
  * come from memory at each call).
  *
- * A thread's rows [lo, hi) (a contiguous share, as schedule(static) gives: N t / T .. N (t + 1) / T) are cut
- * into ROW_STREAMS runs of consecutive rows, and the thread takes a row from each run in turn:
- * rows lo, lo + q, lo + 2q, lo + 3q, lo + 1, lo + q + 1, ... So ROW_STREAMS streams of codes are
- * read at once, a row at a time, far apart in memory. One core's hardware prefetchers follow
+ * A thread's rows [lo, hi) = [N t / T, N (t + 1) / T) (a contiguous share, as schedule(static)
+ * gives) are cut into ROW_STREAMS runs of consecutive rows, and the thread takes a row from each
+ * run in turn: rows lo, lo + q, lo + 2q, lo + 3q, lo + 1, lo + q + 1, ... (q = the run's rows).
+ * So ROW_STREAMS streams of codes are read at once, a row at a time, far apart in memory. One core's hardware prefetchers follow
  * each stream within its 4 KiB page; with one stream at a time one core took the codes from
  * memory at ~7-8 GB/s (Xeon, 34 MB of int4 codes), below a plain read of them (~10 GB/s).
  * benchmarks/bench_row_streams.py, weights from memory, Xeon: four streams 1.07-1.20x one stream
