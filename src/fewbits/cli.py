@@ -22,6 +22,7 @@ from .formats import MODES, OVERFLOW_POLICIES, OVERFLOW_PRESETS, get_format, lis
 from .formats.explanation import (
     binade_table, code_table, exact_decimal, explain, format_summary, jsonable, value_formula,
 )
+from .models.decoder import PATHS as DECODE_PATHS
 from .progress import Every, Lines
 
 _CODE_TABLE_BITS = 8
@@ -1073,7 +1074,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--path", choices=("auto", "native", "torch"), default="auto",
+    p.add_argument("--path", choices=DECODE_PATHS, default="auto",
                    help="decode path: native (one C call per token; an error if it cannot run), torch "
                         "(transformers' logits bit for bit), auto (native where it can run; default)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
