@@ -79,6 +79,8 @@ from pathlib import Path
 
 import torch
 
+from . import hugepages
+
 try:
     import fcntl
 except ImportError:  # not POSIX (Windows): no checked load there, the torch kernels serve
@@ -831,6 +833,7 @@ class Int8Panels:
             raise ValueError(f"rows of 1 to {AMX_GEMV_MAX_K} codes, got {k}")
         self.n, self.k, self.kp = int(n), int(k), -(-int(k) // 64) * 64
         self.panels = amx_pack(lib, q)
+        hugepages.collapse(self.panels)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
         self.colsum128 = q.sum(1, dtype=torch.int32) * 128
         self._row_args: list = []  # row_call's argument structs (and scales), alive as long as this weight
 
@@ -1050,6 +1053,7 @@ class Lut4Weight:
             raise ValueError(f"the table needs 16 values, got {table.numel()}")
         self._table = table
         self._codes = codes.contiguous()
+        hugepages.collapse(self._codes)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
         self._row_args: list = []  # row_call's argument structs, alive as long as this weight
 
     def _param(self, t: torch.Tensor, n: int, groups: int, what: str) -> tuple[int, int]:
@@ -1223,6 +1227,7 @@ class W4A8Weight:
             raise ValueError("signed int4 codes take no minimums")
         self.n, self.k, self.signed = n, k, bool(signed)
         self._codes = codes.reshape(-1).contiguous()
+        hugepages.collapse(self._codes)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
         self._scales, self._s_kind = self._param(scales, n, k // 32, "scales")
         self._mins, self._m_kind = (None, 0) if minimums is None else self._param(minimums, n, k // 32, "minimums")
         self._row_args: list = []  # row_call's argument structs, alive as long as this weight
@@ -1315,6 +1320,7 @@ class Int8Weight:
             raise ValueError(f"scales must be {n} CPU float values")
         self.n, self.k = int(n), int(k)
         self._q = q.contiguous()
+        hugepages.collapse(self._q)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
         self._s = scales.reshape(-1).to(torch.float32).contiguous()
         self._row_args: list = []
 
