@@ -32,26 +32,28 @@ SOURCE = r"""
 #include <time.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 static volatile int sink;
+static int team; /* the threads of the last region: the caller checks it is the count it asked for */
+int last_team(void) { return team; }
 static void serial(double us) { const double t0 = now(); while (now() - t0 < us * 1e-6) sink++; }
 /* microseconds per region: `count` empty regions, `gap` us of serial work after each */
 double regions(int count, double gap) {
     const double t0 = now();
     for (int r = 0; r < count; r++) {
 #pragma omp parallel
-        { sink += omp_get_thread_num(); }
+        { sink += omp_get_thread_num(); if (omp_get_thread_num() == 0) team = omp_get_num_threads(); }
         serial(gap);
     }
     return (now() - t0) / count * 1e6 - gap;
 }
-/* microseconds per barrier: one region, `count` barriers, `gap` us of one thread's work after each */
+/* microseconds per barrier: one region, `count` barriers, `gap` us of the first thread's work after
+ * each (not `single`, whose implied barrier at its end would make it two barriers an iteration) */
 double barriers(int count, double gap) {
     const double t0 = now();
 #pragma omp parallel
     for (int r = 0; r < count; r++) {
         sink += omp_get_thread_num();
 #pragma omp barrier
-#pragma omp single
-        serial(gap);
+        if (omp_get_thread_num() == 0) { team = omp_get_num_threads(); serial(gap); }
     }
     return (now() - t0) / count * 1e6 - gap;
 }
@@ -77,6 +79,7 @@ def build(out_dir: Path) -> ctypes.CDLL:
     for f in (lib.regions, lib.barriers):
         f.argtypes = [ctypes.c_int, ctypes.c_double]
         f.restype = ctypes.c_double
+    lib.last_team.restype = ctypes.c_int
     return lib
 
 
@@ -99,6 +102,8 @@ def main() -> None:
             for gap in (float(g) for g in a.gaps.split(",")):
                 count = a.count if gap <= 50 else max(a.count // 10, 100)
                 r = statistics.median(lib.regions(count, gap) for _ in range(a.repeats))
+                if lib.last_team() != threads:  # another OpenMP runtime than torch's, or a capped team
+                    raise SystemExit(f"regions ran {lib.last_team()} threads, not {threads}")
                 b = statistics.median(lib.barriers(count, gap) for _ in range(a.repeats))
                 print(f"| {threads} | {gap:g} | {r:.2f} | {b:.2f} |", flush=True)
 

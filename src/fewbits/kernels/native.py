@@ -1017,10 +1017,12 @@ class Lut4Weight:
     float values). The scales may instead be a tuple (byte codes [n, groups], float32 table
     [256], multiplier), each scale table[code] * multiplier (one float32 product: MX, NVFP4).
     The tensors are referenced, not copied, where they already have the layout the C code
-    reads (n rows, contiguous)."""
+    reads (n rows, contiguous). huge_pages: put the codes on transparent huge pages
+    (kernels/hugepages.py); leave it False for a weight built for one call."""
 
     def __init__(self, codes: torch.Tensor, scales, table: torch.Tensor, n: int, row_len: int, group: int,
-                 zero_points: torch.Tensor | None = None, minimums: torch.Tensor | None = None):
+                 zero_points: torch.Tensor | None = None, minimums: torch.Tensor | None = None,
+                 huge_pages: bool = True):
         if not lut4_supported(row_len, group):
             raise ValueError(f"rows of {row_len} codes in groups of {group}: need multiples of 32 and 16")
         if codes.dtype != torch.uint8 or codes.numel() < n * row_len // 2 or codes.device.type != "cpu":
@@ -1053,8 +1055,13 @@ class Lut4Weight:
             raise ValueError(f"the table needs 16 values, got {table.numel()}")
         self._table = table
         self._codes = codes.contiguous()
-        hugepages.collapse(self._codes)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
+        if huge_pages:  # False for a weight built for one call: a madvise per call is no use
+            self.huge_pages()
         self._row_args: list = []  # row_call's argument structs, alive as long as this weight
+
+    def huge_pages(self) -> int:
+        """The codes, streamed at every call, on 2 MiB pages (kernels/hugepages.py); the bytes on them."""
+        return hugepages.collapse(self._codes)
 
     def _param(self, t: torch.Tensor, n: int, groups: int, what: str) -> tuple[int, int]:
         if not isinstance(t, torch.Tensor) or t.dtype not in _PARAM_KINDS or t.device.type != "cpu":

@@ -1099,7 +1099,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
         y = torch._scaled_mm(xq, kt["weight"].t(), scale_a=sx, scale_b=kt["weight_scales"], out_dtype=out)
         return _with_bias(y, bias, dtype)
 
-    def _new_lut4_weight(self, qt: QuantizedTensor, dec: _RowDecoder):
+    def _new_lut4_weight(self, qt: QuantizedTensor, dec: _RowDecoder, huge_pages: bool = True):
         """(the weight prepared for fewbits' 4-bit C kernels, the bytes it holds of its own: the
         parameters it derived rather than reads as the QuantizedTensor stores them)."""
         s = qt.scheme
@@ -1114,7 +1114,7 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             zps = zps.to(torch.float32) if zps is not None else None
             mins = qt.minimums if held and s.zero_point == "float" else qt.minimum_values()
         w = native.Lut4Weight(qt.codes, scales, ops.value_table(dec.fmt), self.out_features, dec.row_len,
-                              dec.group_len, zero_points=zps, minimums=mins)
+                              dec.group_len, zero_points=zps, minimums=mins, huge_pages=huge_pages)
         return w, w.own_nbytes(list(qt.state_dict().values()))
 
     def _lut4_weight(self, lib):
@@ -1125,9 +1125,12 @@ class QuantLinear(_QuantizedWeightViews, nn.Module):
             return None
         if self._lut4w is not None:
             return self._lut4w
-        w, own = self._new_lut4_weight(self._qweight, self._decoder)
-        if own == 0:  # holds nothing of its own: keep it
+        # built without huge pages: a weight rebuilt at every call (double-quantized or super-block
+        # scales) would otherwise madvise its codes at every call, and retry a refused collapse
+        w, own = self._new_lut4_weight(self._qweight, self._decoder, huge_pages=False)
+        if own == 0:  # holds nothing of its own: keep it (and its codes on huge pages, once)
             self._lut4w = w
+            w.huge_pages()
         return w
 
     def _forward_w4a8(self, x2d, bias, dtype):

@@ -24,12 +24,14 @@
  * within the same bound (a row with an infinite or NaN scale multiplies each weight by it first,
  * as the decoded weight does); groups of 128 or more look up the scaled table, as everywhere else.
  * (Tried for it and not kept: the row on AMX tiles, for tables of bfloat16 numbers such as INT4's
- * -- x split exactly into three bfloat16 parts, 16 or 32 weight rows decoded a 128-column chunk at
+ * -- x split into three bfloat16 parts (exact but for x so small that a part is a bfloat16
+ * denormal, which the tiles read as zero), 16 or 32 weight rows decoded a 128-column chunk at
  * a time to bfloat16 with 4 word lookups and 3 shifts per 128 weights, TDPBF16PS summing each
  * group apart. On 4096 x 4096 int4 g128 at one thread it took 0.84-0.92 ms with the codes in L3
- * against this path's 0.65-0.72 ms, and 1.5-1.7x this path's time from memory; even with every
- * row's codes read from L1 (an upper bound) 0.56 ms against 0.66: the decode to bfloat16, two
- * bytes stored and tile-loaded per weight, costs about what the lookups and multiply-adds here do.)
+ * against this path's 0.65-0.72 ms (before the groups-of-128 loop in one_row, ~1.1x faster since),
+ * and 1.5-1.7x this path's time from memory; even with every row's codes read from L1 (its best
+ * case) 0.56 ms against 0.66: the decode to bfloat16, two bytes stored and tile-loaded per weight,
+ * costs about what the lookups and multiply-adds here do.)
  *
  * Three builds of the same loops, chosen by the compiler's target (-march=native):
  *   AVX-512F   a step is 16 code bytes = 32 weights; widening is vpmovzxbd, the table lookup one
