@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fewbits.hardware import machine_info
 from fewbits.kernels import native
 
 SOURCE = r"""
@@ -61,13 +61,7 @@ double barriers(int count, double gap) {
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return machine_info("cpu")["name"]
 
 
 def build(out_dir: Path) -> ctypes.CDLL:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from fewbits.hardware import machine_info
 from fewbits.kernels import native
 from fewbits.quant.modules import QuantLinear
 
@@ -39,13 +39,7 @@ SHAPES = {"4x4096": [(4096, 4096)] * 4,  # (out, in) per layer
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return machine_info("cpu")["name"]
 
 
 def build(out_dir: Path, name: str, defines: list[str]) -> ctypes.CDLL:
