@@ -81,10 +81,9 @@ def collapse(t: torch.Tensor) -> int:
     Linux, not a contiguous CPU tensor, no whole huge page inside it, or the kernel declined for
     one or more: some may have moved)."""
     global _unsupported
-    if _unsupported or not enabled() or not isinstance(t, torch.Tensor) or t.device.type != "cpu" \
-            or not t.is_contiguous():
+    if _unsupported or not enabled() or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         return 0
-    start, length = huge_range(t)
+    start, length = huge_range(t)  # length 0 for a tensor that is not contiguous
     if length == 0:
         return 0
     try:

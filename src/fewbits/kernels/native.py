@@ -815,6 +815,14 @@ class _W8A8Row(ctypes.Structure):
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
+def _streamed(t: torch.Tensor) -> torch.Tensor:
+    """t, bytes a one-row kernel reads at every call (a prepared weight's codes or panels), after
+    asking Linux to put it on transparent huge pages (kernels/hugepages.py: best effort, contents
+    and address unchanged): the one place that decides which tensors go there."""
+    hugepages.collapse(t)
+    return t
+
+
 class Int8Panels:
     """An int8 weight W [n, k] packed once into int8mm.c's AMX panels (fb_amx_pack_b), with 128 times
     its row sums, for w8a8 inference: y = (float32(q @ W.T) * sx[:, None]) * sw[None, :] (+ bias),
@@ -832,8 +840,7 @@ class Int8Panels:
         if not 0 < k <= AMX_GEMV_MAX_K:
             raise ValueError(f"rows of 1 to {AMX_GEMV_MAX_K} codes, got {k}")
         self.n, self.k, self.kp = int(n), int(k), -(-int(k) // 64) * 64
-        self.panels = amx_pack(lib, q)
-        hugepages.collapse(self.panels)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
+        self.panels = _streamed(amx_pack(lib, q))
         self.colsum128 = q.sum(1, dtype=torch.int32) * 128
         self._row_args: list = []  # row_call's argument structs (and scales), alive as long as this weight
 
@@ -1059,9 +1066,9 @@ class Lut4Weight:
             self.huge_pages()
         self._row_args: list = []  # row_call's argument structs, alive as long as this weight
 
-    def huge_pages(self) -> int:
-        """The codes, streamed at every call, on 2 MiB pages (kernels/hugepages.py); the bytes on them."""
-        return hugepages.collapse(self._codes)
+    def huge_pages(self) -> None:
+        """The codes on transparent huge pages, as _streamed puts them (once, for a weight kept)."""
+        _streamed(self._codes)
 
     def _param(self, t: torch.Tensor, n: int, groups: int, what: str) -> tuple[int, int]:
         if not isinstance(t, torch.Tensor) or t.dtype not in _PARAM_KINDS or t.device.type != "cpu":
@@ -1233,8 +1240,7 @@ class W4A8Weight:
         if signed and minimums is not None:
             raise ValueError("signed int4 codes take no minimums")
         self.n, self.k, self.signed = n, k, bool(signed)
-        self._codes = codes.reshape(-1).contiguous()
-        hugepages.collapse(self._codes)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
+        self._codes = _streamed(codes.reshape(-1).contiguous())
         self._scales, self._s_kind = self._param(scales, n, k // 32, "scales")
         self._mins, self._m_kind = (None, 0) if minimums is None else self._param(minimums, n, k // 32, "minimums")
         self._row_args: list = []  # row_call's argument structs, alive as long as this weight
@@ -1326,8 +1332,7 @@ class Int8Weight:
         if scales.numel() != n or scales.device.type != "cpu" or not scales.is_floating_point():
             raise ValueError(f"scales must be {n} CPU float values")
         self.n, self.k = int(n), int(k)
-        self._q = q.contiguous()
-        hugepages.collapse(self._q)  # streamed at every call: on 2 MiB pages (kernels/hugepages.py)
+        self._q = _streamed(q.contiguous())
         self._s = scales.reshape(-1).to(torch.float32).contiguous()
         self._row_args: list = []
 
