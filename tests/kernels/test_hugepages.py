@@ -114,3 +114,20 @@ def test_a_weight_built_per_call_is_not_collapsed_per_call(monkeypatch):
         for _ in range(3):
             q(torch.randn(1, 1024))
     assert len(calls) <= 1
+
+
+def test_the_page_size_falls_back_on_a_bad_or_missing_sysfs_file(monkeypatch, tmp_path):
+    import builtins
+    real_open = builtins.open
+    for text in ("", "abc\n", "0\n", "-4096\n", None):
+        def fake_open(path, *a, text=text, **k):
+            if str(path).endswith("hpage_pmd_size"):
+                if text is None:
+                    raise FileNotFoundError(path)
+                f = tmp_path / "size"
+                f.write_text(text)
+                return real_open(f, *a, **k)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert hugepages._pmd_size() == 2 << 20
+    monkeypatch.setattr(builtins, "open", real_open)
