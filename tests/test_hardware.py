@@ -111,3 +111,21 @@ def test_cli_bench_errors(capsys, argv):
     code = main(["bench", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and err.startswith("fewbits bench: error:")
+
+
+def test_fp8_on_a_cpu_without_fp8_units_is_not_measured(monkeypatch):
+    """A CPU without fp8 matrix units is not timed in fp8: what would be timed is torch's software
+    conversion (on one Xeon it printed as "0.0 GFLOP/s" and "ridge 0.0" in the study's report).
+    The dtype says why, carries no number (None, not 0.0) and gets no roofline rows."""
+    flags = hw.native.cpu_flags() - hw.FP8_CPU_FLAGS
+    monkeypatch.setattr(hw.native, "cpu_flags", lambda: flags)
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no fp8 matmul")
+    ok, note = hw.availability("fp8")
+    assert not ok and note.startswith("not measured") and "fp8" in note
+    m = hw.measure_matmul("fp8", budget_s=0.05)
+    assert not m.available and m.gflops is None and m.n is None and m.note == note
+    res = hw.run_bench(shapes=["2x256x256"], dtypes=("fp32", "fp8"), budget_s=0.05, buffer_mb=16)
+    assert [r["dtype"] for r in res.shapes] == ["fp32"]
+    assert res.matmuls["fp8"].ratio is None
+    assert res.as_dict()["matmul"][1]["gflops"] is None

@@ -10,7 +10,8 @@ one least disturbed by other work on a shared machine):
   memory bandwidth   dst.copy_(src) of a buffer larger than the caches (bytes read + written),
                      and src.sum() (bytes read)
   matmul throughput  an n x n x n product per dtype: fp32, tf32 and fp8 where this machine has
-                     them, bf16, fp16, and int8 through torch._int_mm (int32 accumulation);
+                     them (a CPU without fp8 units: not measured, with the reason), bf16, fp16,
+                     and int8 through torch._int_mm (int32 accumulation);
                      2*n^3 operations per call. n doubles from 256 (up to 2048) while the next
                      size still fits the time budget, so slow dtypes get small sizes.
   roofline           a matmul of shape m x n x k moves at least (m*k + k*n) input values and m*n
@@ -40,6 +41,8 @@ MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 INPUT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 OUTPUT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int8": 4}
 DEFAULT_SHAPES = ("1x4096x4096", "512x4096x4096")
+# /proc/cpuinfo flags of x86 fp8 matrix units (AMX-FP8); a CPU without one is not timed in fp8
+FP8_CPU_FLAGS = frozenset({"amx_fp8"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,12 +228,14 @@ def measure_bandwidth(buffer_mb: int = 256, budget_s: float = 2.0, device: str =
 
 @dataclass
 class MatmulSpeed:
+    """One dtype's matmul probe. available=False: not measured here (note says why), and n, seconds
+    and gflops are None: an unmeasured dtype has no number, not a 0."""
     dtype: str
     available: bool
     kernel: str = ""
-    n: int = 0
-    seconds: float = 0.0
-    gflops: float = 0.0
+    n: int | None = None
+    seconds: float | None = None
+    gflops: float | None = None
     ratio: float | None = None      # to fp32 on this machine
     note: str = ""
 
@@ -324,8 +329,11 @@ def availability(dtype: str, device: str = "cpu") -> tuple[bool, str]:
             fn()
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             return False, f"torch._scaled_mm fails here: {str(exc).splitlines()[0][:80]}"
-        if dev.type == "cpu":
-            return True, "no fp8 units in this CPU: the kernel converts in software"
+        if dev.type == "cpu" and not native.cpu_flags() & FP8_CPU_FLAGS:
+            # what would be timed is torch's software conversion: no ceiling of this machine, and on
+            # some CPUs slow enough to print as "0.0 GFLOP/s" and put a "ridge 0.0" on the roofline
+            return False, ("not measured: this CPU has no fp8 matmul units (torch._scaled_mm only "
+                           "converts in software here)")
         return True, ""
     if dtype == "int8":
         try:

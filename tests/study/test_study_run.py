@@ -191,3 +191,59 @@ def test_lm_step_speed_table_names_the_path_each_policy_took(tmp_path, monkeypat
     assert "int8 row-wise GEMMs, native" in rows["int8-mixed"]["gemm_path"]
     assert "emulated" in rows["fp8-hybrid"]["gemm_path"]
     assert all(r["step_time_s"] > 0 for r in rows.values())
+
+
+def _speed_part(tmp_path, monkeypatch, slow_dtype=None):
+    """The speed part for real, on small probes and without the layer table (fast)."""
+    import functools
+
+    from fewbits import hardware as hw
+
+    flags = hw.native.cpu_flags() - hw.FP8_CPU_FLAGS  # this machine as one without fp8 units
+    monkeypatch.setattr(hw.native, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hw, "run_bench", functools.partial(hw.run_bench, shapes=("2x256x256",), budget_s=0.02,
+                                                           buffer_mb=16))
+    if slow_dtype:  # a kernel as slow as torch's software fp8 on one Xeon: 0.04 GFLOP/s
+        real = hw.measure_matmul
+
+        def measure(dtype, **kw):
+            m = real(dtype, **kw)
+            if dtype == slow_dtype:
+                m.gflops = 0.04
+            return m
+        monkeypatch.setattr(hw, "measure_matmul", measure)
+    monkeypatch.setattr(study_run, "layer_speed_part", lambda ctx: {
+        "stack": "Linear 8 x 8", "threads": 1, "batches": {}, "not_run": []})
+    ctx = study_run.StudyContext(out=tmp_path, quick=True, model=None, say=lambda m: None)
+    out = study_run.part_speed(ctx)
+    study = {"title": "t", "options": {"quick": True}, "machine": {}, "seconds": 1.0,
+             "parts": [dict(out.as_dict(), name="speed", title="speed", how_to_read="", status="ok")]}
+    from fewbits.study.report import render_html
+    return out, render_html(study)
+
+
+def _html_row(page, first_cell):
+    import re
+    rows = re.findall(r"<tr>(.*?)</tr>", page)
+    return [re.findall(r"<td[^>]*>(.*?)</td>", r) for r in rows if r.startswith(f"<td>{first_cell}</td>")]
+
+
+def test_speed_part_shows_an_unmeasured_fp8_as_not_measured(tmp_path, monkeypatch):
+    """No fake 0.0 for fp8 on a CPU without fp8 units: the matmul table says "not measured" and why,
+    JSON holds None, and the roofline table has no fp8 row (no "ridge 0.0")."""
+    out, page = _speed_part(tmp_path, monkeypatch)
+    fp8 = {m["dtype"]: m for m in out.numbers["matmul"]}["fp8"]
+    assert not fp8["available"] and fp8["gflops"] is None and fp8["note"].startswith("not measured")
+    (row,) = _html_row(page, "fp8")
+    assert row[3] == "—" and row[5].startswith("not measured") and "0.0" not in row
+    assert all(r["dtype"] != "fp8" for r in out.numbers["roofline"])
+
+
+def test_speed_part_shows_a_slow_kernel_with_its_digits(tmp_path, monkeypatch):
+    """A real but slow measurement (0.04 GFLOP/s) is shown as such, not rounded to "0.0" (GFLOP/s,
+    ridge) or "0.00×"."""
+    out, page = _speed_part(tmp_path, monkeypatch, slow_dtype="bf16")
+    matmul_row = [r for r in _html_row(page, "bf16") if r[1] == "torch.mm"]
+    assert matmul_row and matmul_row[0][3] == "0.04" and matmul_row[0][4] != "0.00×", matmul_row
+    (roof_row,) = [r for r in _html_row(page, "2x256x256") if r[1] == "bf16"]
+    assert roof_row[3] not in ("0.0", "0") and float(roof_row[3]) > 0, roof_row

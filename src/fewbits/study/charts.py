@@ -113,7 +113,8 @@ def save_matmul_figure(matmuls: list[dict], path, title: str = ""):
     for y, m in enumerate(rows):
         ax.barh(-y, m["gflops"], color=colors.get(m["dtype"], "#7f7f7f"), height=0.6)
         ratio = f"{m['ratio']:.2f}× fp32" if m.get("ratio") is not None else ""
-        ax.text(m["gflops"], -y, f"  {m['gflops']:,.0f}  {ratio}", va="center", fontsize=8)
+        value = f"{m['gflops']:,.0f}" if m["gflops"] >= 100 else f"{m['gflops']:.3g}"  # never "0" for 0.04
+        ax.text(m["gflops"], -y, f"  {value}  {ratio}", va="center", fontsize=8)
     ax.set_yticks([-y for y in range(len(rows))])
     ax.set_yticklabels([f"{m['dtype']} ({m['kernel']})" if m.get("kernel") else m["dtype"] for m in rows],
                        fontsize=8.5)

@@ -118,7 +118,7 @@ def format_value(v, kind: str = "num") -> str:
     if kind == "pct_points":
         return f"{v:+.2f} %"
     if kind == "x":
-        return f"{v:.2f}×"
+        return f"{v:.2f}×" if abs(v) >= 0.01 or v == 0 else f"{v:.2g}×"  # a slow kernel: never "0.00×"
     if kind == "bytes":
         return format_bytes(v)
     if kind == "mb":

@@ -412,9 +412,10 @@ def part_speed(ctx: StudyContext) -> PartOutput:
     shown = [dict(m, n=m["n"] if m["available"] else None, gflops=m["gflops"] if m["available"] else None)
              for m in matmuls]
     out.table("Matmul throughput", [
-        ("dtype", "dtype", "text"), ("kernel", "kernel", "text"), ("n", "n", "int"), ("gflops", "GFLOP/s", "f1"),
+        ("dtype", "dtype", "text"), ("kernel", "kernel", "text"), ("n", "n", "int"), ("gflops", "GFLOP/s", "num"),
         ("ratio", "× fp32", "x"), ("note", "note", "text")], shown,
-        f"Memory bandwidth here: {bw['copy_gbs']:.3g} GB/s copy, {bw['read_gbs']:.3g} GB/s read.")
+        f"Memory bandwidth here: {bw['copy_gbs']:.3g} GB/s copy, {bw['read_gbs']:.3g} GB/s read. — : not measured "
+        "here, for the reason in the note (such a dtype has no ceiling on the roofline below).")
     out.numbers["layer_speed"] = layers = layer_speed_part(ctx)
     out.table(f"Layer speed beside the tools users would pick instead: {layers['stack']}, "
               f"{layers['threads']} threads", [
@@ -431,10 +432,11 @@ def part_speed(ctx: StudyContext) -> PartOutput:
                "two matmul shapes: one token through a 4096² layer (bandwidth-bound) and 512 tokens (compute-bound). "
                "Right: the published bf16 (solid) and fp8 (dashed) ceilings of a few accelerators.")
     out.table("Where the two shapes sit", [
-        ("shape", "shape M×N×K", "text"), ("dtype", "dtype", "text"), ("intensity", "op/byte", "f1"),
-        ("ridge", "ridge", "f1"), ("bound", "bound here", "text"), ("attainable_gflops", "roofline GFLOP/s", "f1"),
-        ("measured_gflops", "measured GFLOP/s", "f1")], res.shapes,
-        "ridge: operations per byte above which a matmul is compute-bound here.")
+        ("shape", "shape M×N×K", "text"), ("dtype", "dtype", "text"), ("intensity", "op/byte", "num"),
+        ("ridge", "ridge", "num"), ("bound", "bound here", "text"), ("attainable_gflops", "roofline GFLOP/s", "num"),
+        ("measured_gflops", "measured GFLOP/s", "num")], res.shapes,
+        "ridge: operations per byte above which a matmul is compute-bound here. Only the dtypes measured here: "
+        + (", ".join(sorted({r["dtype"] for r in res.shapes})) or "none") + ".")
     acc = [dict(vars(a)) for a in KNOWN_ACCELERATORS]
     out.table("Published peaks of known accelerators (dense, TFLOP/s; int8 TOP/s)", [
         ("name", "accelerator", "text"), ("memory_gb", "memory GB", "num"), ("bandwidth_gbs", "GB/s", "num"),
