@@ -129,3 +129,13 @@ def test_fp8_on_a_cpu_without_fp8_units_is_not_measured(monkeypatch):
     assert [r["dtype"] for r in res.shapes] == ["fp32"]
     assert res.matmuls["fp8"].ratio is None
     assert res.as_dict()["matmul"][1]["gflops"] is None
+
+
+def test_the_roofline_figure_says_what_it_shows_and_where():
+    """Its title was "fewbits bench: rooflines": it names the figure's content and the machine now."""
+    from fewbits.study.hardware_figures import roofline_figure
+
+    res = hw.run_bench(shapes=["2x128x128"], dtypes=("fp32",), budget_s=0.02, buffer_mb=16)
+    title = roofline_figure(res)._suptitle.get_text()
+    assert "fewbits bench" not in title
+    assert "roofline" in title.lower() and res.machine["name"] in title and f"{res.machine['threads']} threads" in title

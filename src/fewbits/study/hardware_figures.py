@@ -5,7 +5,7 @@ Drawn with matplotlib's object interface on the Agg canvas (no pyplot, no global
 
     plot_local_roofline(result, ax)        measured bandwidth x intensity, capped by each dtype's peak
     plot_accelerator_rooflines(result, ax) bf16 (dashed: fp8) ceilings of a few accelerators
-    save_roofline_figure(result, path)
+    roofline_figure(result) / save_roofline_figure(result, path)   titled with what it shows and the machine
 """
 from __future__ import annotations
 
@@ -76,11 +76,26 @@ def plot_accelerator_rooflines(result, ax):
     ax.legend(fontsize=7, loc="lower right")
 
 
-def save_roofline_figure(result, path):
-    fig = Figure(figsize=(14, 5.5), dpi=110)
+def roofline_title(result) -> str:
+    """What the figure shows, and where it was measured."""
+    m = result.machine
+    where = m.get("name") or "this machine"
+    if m.get("threads"):
+        where += f", {m['threads']} threads"
+    return (f"Matmul rooflines of {where}, measured (left), beside known accelerators' published ceilings "
+            "(right)\nthe throughput a matrix product can reach for its arithmetic intensity: bandwidth-bound "
+            "below the ridge, compute-bound above")
+
+
+def roofline_figure(result) -> Figure:
+    fig = Figure(figsize=(14, 6), dpi=110, layout="constrained")  # the two-line title clears the axes' titles
     FigureCanvasAgg(fig)
     plot_local_roofline(result, fig.add_subplot(1, 2, 1))
     plot_accelerator_rooflines(result, fig.add_subplot(1, 2, 2))
-    fig.suptitle("fewbits bench: rooflines", fontsize=12)
-    fig.savefig(path, bbox_inches="tight")
+    fig.suptitle(roofline_title(result), fontsize=12)
+    return fig
+
+
+def save_roofline_figure(result, path):
+    roofline_figure(result).savefig(path, bbox_inches="tight")
     return path
