@@ -247,3 +247,23 @@ def test_speed_part_shows_a_slow_kernel_with_its_digits(tmp_path, monkeypatch):
     assert matmul_row and matmul_row[0][3] == "0.04" and matmul_row[0][4] != "0.00×", matmul_row
     (roof_row,) = [r for r in _html_row(page, "2x256x256") if r[1] == "bf16"]
     assert roof_row[3] not in ("0.0", "0") and float(roof_row[3]) > 0, roof_row
+
+
+def test_quick_train_part_names_only_the_policies_it_ran(tmp_path, monkeypatch):
+    """The quick run's training part (fewer steps here): no note, caption or highlight names a policy
+    or a format the run did not include (the table's note named bf16-pure-sr, bf16-pure-kahan, fp8 and MX)."""
+    import re
+
+    monkeypatch.setattr(study_run, "TRAIN_STEPS_QUICK", 3)
+    ctx = study_run.StudyContext(out=tmp_path, quick=True, model=None, say=lambda m: None)
+    out = study_run.part_train(ctx)
+    ran = [r["policy"] for r in out.numbers["runs"]]
+    assert ran == list(study_run.TRAIN_POLICIES_QUICK)
+    text = " ".join([*out.notes, *out.highlights, *(t["note"] for t in out.tables), *(t["title"] for t in out.tables),
+                     *(f["caption"] for f in out.figures), *(f["title"] for f in out.figures)])
+    words = set(re.findall(r"[\w.-]+", text))
+    missing = [p for p in study_run.TRAIN_POLICIES if p not in ran]
+    assert missing and not words & set(missing), words & set(missing)
+    assert "fp8" not in text and "MX" not in text
+    note = out.tables[-1]["note"]
+    assert "fp16-mixed, fp16-mixed-unscaled" in note and "bf16-pure" in note  # what did run is explained

@@ -629,6 +629,36 @@ def _lm_speed_table(ctx: StudyContext, out: PartOutput) -> None:
                               f"bf16-mixed's step speed here ({by['int8-mixed']['gemm_path']}).")
 
 
+_CARRIED_UPDATES = {"bf16-pure-sr": "stochastic rounding", "bf16-pure-kahan": "the Kahan compensation"}
+
+
+def _train_note(results: list[dict]) -> str:
+    """The policies table's note, from the policies that ran (a quick run has fewer): which of them
+    were emulated here, and in which formats; what their lost updates mean."""
+    names = [r["policy"] for r in results]
+    emulated = [r for r in results if "emulated" in (r.get("gemm_path") or "")]
+    parts = ["step ms: median step time."]
+    if emulated:
+        formats = sorted({r["policy_detail"][k] for r in emulated for k in ("forward", "backward")
+                          if r.get("policy_detail", {}).get(k) not in (None, "fp32", "bf16")})
+        parts.append(f"{', '.join(r['policy'] for r in emulated)}: emulated here (matmuls ran as says how): "
+                     f"values are rounded exactly to {', '.join(formats) or 'the format'} through fb.round and "
+                     "multiplied in a wider type, so these run slower here than on hardware with units for them.")
+    parts.append("state: weights, master copies, gradients and optimizer states held. peak growth: of the process's "
+                 "resident memory during the run, from a baseline taken after a throwaway warm-up of the same "
+                 "policy (so the order of the policies does not change it).")
+    carried = [n for n in names if n in _CARRIED_UPDATES]
+    if carried:
+        parts.append(f"Lost updates under {' and '.join(carried)}: single updates still do not change the bf16 "
+                     f"weight, but {' and '.join(_CARRIED_UPDATES[n] for n in carried)} carr"
+                     f"{'y' if len(carried) > 1 else 'ies'} them over, so the loss recovers.")
+    elif "bf16-pure" in names:
+        parts.append("Lost updates under bf16-pure: updates too small to change a weight stored in bf16, which "
+                     "has no fp32 master copy to collect them.")
+    parts.append("Telemetry samples every 10th step.")
+    return " ".join(parts)
+
+
 def part_train(ctx: StudyContext) -> PartOutput:
     from ..train import Telemetry
     from .charts import save_histogram_figure, save_loss_figure, save_train_numerics_figure
@@ -690,12 +720,7 @@ def part_train(ctx: StudyContext) -> PartOutput:
         ("peak_memory_bytes", "peak growth", "bytes"), ("skipped_steps", "skipped", "int"),
         ("underflow_fraction", "underflow", "pct"), ("lost_update_fraction", "lost updates", "pct"),
         ("saturated_fraction", "saturated", "pct"), ("final_loss_scale", "final loss scale", "num"),
-        ("gemm_path", "matmuls ran as", "text")], results,
-        "step ms: median step time; formats this CPU lacks (fp16, fp8, MX) are emulated exactly through fb.round, "
-        "so they run slower here than on hardware that has them. state: weights, master copies, gradients and "
-        "optimizer states held. Lost updates under bf16-pure-sr and bf16-pure-kahan: single updates still do not "
-        "change the bf16 weight, but stochastic rounding and the Kahan compensation carry them over, so the loss "
-        "recovers. Telemetry samples every 10th step.")
+        ("gemm_path", "matmuls ran as", "text")], results, _train_note(results))
     out.numbers["task"] = {"task": cfg.task, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                            "seed": cfg.seed, "hidden": cfg.hidden}
     out.numbers["runs"] = results
