@@ -48,3 +48,29 @@ def test_every_lets_one_report_through_per_interval(monkeypatch):
     quick = P.Every(2.0, last=True)
     now[0] = 106.0
     assert not quick.due(10, 10)  # a run shorter than that shows nothing
+
+
+def test_quiet_native_stderr_drops_the_profilers_usdt_lines_and_keeps_the_rest(capfd):
+    """torch's profiler (kineto) prints 'USDT: ... profiler_start' / 'profiler_stop' on fd 2 at every
+    start and stop (ten of them in a quick study's progress output); they are dropped, other
+    lines written inside the block (by Python or C) come out at its end, in order."""
+    import os
+    import sys
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def profiled():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+            torch.ones(8).add_(1)
+
+    profiled()
+    if "USDT:" not in capfd.readouterr().err:
+        pytest.skip("this torch's profiler prints no USDT lines")
+    print("before", file=sys.stderr, flush=True)
+    with P.quiet_native_stderr():
+        print("inside", file=sys.stderr)
+        profiled()
+        os.write(2, b"from C\n  USDT: indented noise\n")
+    print("after", file=sys.stderr, flush=True)
+    assert capfd.readouterr().err == "before\ninside\nfrom C\nafter\n"

@@ -5,12 +5,18 @@ counter(): the count of a known number of steps (layers quantized, layers x sche
 Lines: '[label] message' lines on a stream (stderr by default), optionally with the time since
     the start ('[fewbits study 1:23] message'), or nothing when disabled.
 Every: lets through one report per interval, so that a long loop reports now and then.
+quiet_native_stderr(): drops the lines a native library prints on file descriptor 2 that are
+    nobody's progress (torch's profiler, kineto, prints 'USDT: ... profiler_start' and
+    '... profiler_stop' on every start and stop), so that progress output stays clean.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 BAR_WIDTH = 30
 NAME_WIDTH = 40
@@ -77,3 +83,43 @@ class Every:
         if ok:
             self.previous = self.now
         return ok
+
+
+# lines that native code prints on stderr and that nobody asked for: kineto (torch's profiler)
+# logs every profiler start and stop at its "USDT" level, whatever Python's logging says
+NATIVE_NOISE = ("USDT:",)
+
+
+@contextlib.contextmanager
+def quiet_native_stderr(drop: tuple[str, ...] = NATIVE_NOISE) -> Iterator[None]:
+    """Within the block, file descriptor 2 (where C and C++ code write, as well as sys.stderr) goes
+    to a temporary file; at its end, the lines that start with one of `drop` are dropped and the
+    others are written to stderr, in their order. Anything written to stderr within the block,
+    from any thread, appears at its end: keep the block to the call that prints the noise. Where
+    fd 2 cannot be redirected, the block runs as it is."""
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not line.lstrip().startswith(tuple(d.encode() for d in drop))]
+            data = b"".join(kept)
+            while data:
+                data = data[os.write(2, data):]

@@ -267,3 +267,16 @@ def test_quick_train_part_names_only_the_policies_it_ran(tmp_path, monkeypatch):
     assert "fp8" not in text and "MX" not in text
     note = out.tables[-1]["note"]
     assert "fp16-mixed, fp16-mixed-unscaled" in note and "bf16-pure" in note  # what did run is explained
+
+
+def test_memory_part_progress_has_no_profiler_lines(tmp_path, capfd):
+    """The memory part measures through torch's profiler, whose kineto printed a 'USDT: ...
+    profiler_start' / 'profiler_stop' pair per measurement into the study's progress output."""
+    model_dir = _tiny_bert_dir(tmp_path / "tiny-bert")
+    capfd.readouterr()
+    code = main(["study", "--quick", "--only", "memory", "--model", str(model_dir), "--out", str(tmp_path / "r")])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "measuring" in err and "USDT" not in err and "profiler_st" not in err, err
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert data["parts"]["memory"]["numbers"]["tiny_bert"]["inference"][0]["measured"] > 0
