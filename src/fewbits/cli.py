@@ -425,11 +425,8 @@ def _quant_source(model: str, tmp: str) -> str:
     if os.path.isdir(model):
         return model
     if os.path.isfile(model) and model.lower().endswith(".gguf"):
-        from pathlib import Path
-
-        from .models.smollm2 import gguf_to_directory
-        gguf_to_directory(Path(model).resolve(), Path(tmp))
-        return tmp
+        from .files.gguf_reader import gguf_to_float_pretrained
+        return gguf_to_float_pretrained(model, tmp)  # checked first; its RoPE scaling kept
     raise ValueError(f"unknown model {model!r}: use minilm, smollm2, a Hugging Face model directory or a GGUF file")
 
 
@@ -555,8 +552,9 @@ def _causal_lm(spec: str):
         raise ImportError("generation needs transformers: pip install transformers") from None
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         folder, name = os.path.split(os.path.abspath(path))
+        model = from_pretrained(path)  # checks the file before the tokenizer's reader sees it
         tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
-        return from_pretrained(path), tokenizer, f"{path} (GGUF)"
+        return model, tokenizer, f"{path} (GGUF)"
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ValueError(f"unknown model {spec!r}: use smollm2, a GGUF file or a Hugging Face model directory")

@@ -11,9 +11,11 @@ GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys ll
   llama.context_length, llama.embedding_length, llama.block_count, llama.feed_forward_length,
   llama.attention.head_count, llama.attention.head_count_kv, llama.rope.freq_base,
   llama.rope.dimension_count, llama.attention.layer_norm_rms_epsilon (llama.attention.key_length /
-  value_length only where head_dim differs from hidden_size / heads). q_proj / k_proj rows are
-  permuted as llama.cpp's converter does (its rotary embedding pairs neighbouring rows, transformers'
-  pairs the two halves of each head); transformers' GGUF loader permutes them back. Tied
+  value_length only where head_dim differs from hidden_size / heads; llama.rope.scaling.type =
+  linear and llama.rope.scaling.factor for a linear rope scaling, the one scaling written).
+  q_proj / k_proj rows are permuted as llama.cpp's converter does (its rotary embedding pairs
+  neighbouring rows, transformers' pairs the two halves of each head); transformers' GGUF loader
+  permutes them back. Tied
   embeddings: token_embd.weight serves as the output too, and no output.weight is written
   (an lm_head.weight in the mapping is skipped).
 - BertModel (all-MiniLM-L6-v2), GGUF arch "bert": token_embd, token_types, position_embd,
@@ -628,15 +630,24 @@ def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # metadata
 # ---------------------------------------------------------------------------------------------
-def _rope_theta(cfg: dict) -> float:
+def _rope(cfg: dict) -> tuple[float, float | None]:
+    """(rope theta, the linear scaling factor or None): the RoPE llama.cpp's keys can say;
+    another rope type is a ValueError."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, Mapping) else None
-    if rope_type not in (None, "default"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported by this GGUF writer; supported: default")
+    factor = None
+    if rope_type == "linear":
+        factor = rope.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"linear rope scaling needs a finite factor > 0, got {factor!r}")
+        factor = float(factor)
+    elif rope_type not in (None, "default"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported by this GGUF writer; supported: default, linear")
     theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, Mapping) else None)
     if theta is None:
         theta = 10000.0  # transformers' LlamaConfig default
-    return float(theta)
+    return float(theta), factor
 
 
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
@@ -681,7 +692,11 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
     w.add_head_count(d["num_attention_heads"])
     if arch == "LlamaForCausalLM":
         w.add_head_count_kv(d["num_key_value_heads"])
-        w.add_rope_freq_base(_rope_theta(cfg))
+        theta, factor = _rope(cfg)
+        w.add_rope_freq_base(theta)
+        if factor is not None:  # llama.cpp: rope.scaling.type linear, freq_scale = 1 / factor
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(factor)
         w.add_rope_dimension_count(d["head_dim"])
         if d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
             w.add_key_length(d["head_dim"])
@@ -704,7 +719,7 @@ def _check_config(cfg: dict, arch: str) -> None:
         raise ValueError(f"llama.cpp's {ARCHITECTURES[arch]} architecture computes {want}; this config has "
                          f"hidden_act {act!r}")
     if arch == "LlamaForCausalLM":
-        _rope_theta(cfg)
+        _rope(cfg)
     elif cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg.get('position_embedding_type')!r}: llama.cpp's BERT "
                          "has absolute position embeddings only")

@@ -1,52 +1,243 @@
 """Reading a llama GGUF file (fewbits' own, or llama.cpp's) as a quantized fewbits model, without
 ever building its float weights: `fb.from_pretrained("model.gguf")`.
 
-read_gguf(path) gives the transformers config (transformers' own GGUF metadata reader) and a
-tensor mapping in Hugging Face names: every tensor in a GGUF block type fewbits has (Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) becomes a QuantizedTensor of the matching preset
-(fewbits.files.gguf_blocks.decode_blocks: its dequantize() equals gguf.quants.dequantize of the
-bytes, bit for bit), F32 / F16 / BF16 tensors float tensors; the q/k rows llama.cpp's converter
-permuted are put back in transformers' order (whole block rows move, so nothing is re-rounded).
-A tied embedding stored in a block type is used for the output head too: the head gets the same
-QuantizedTensor (tie_word_embeddings is then False in the config, as fewbits' modules hold their
-weights themselves).
+read_gguf(path) gives the transformers config and a tensor mapping in Hugging Face names: every
+tensor in a GGUF block type fewbits has (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) becomes a
+QuantizedTensor of the matching preset (fewbits.files.gguf_blocks.decode_blocks: its dequantize()
+equals gguf.quants.dequantize of the bytes, bit for bit), F32 / F16 / BF16 tensors float tensors
+of their own dtype; the q/k rows llama.cpp's converter permuted are put back in transformers' order
+(whole block rows move, so nothing is re-rounded). A tied embedding stored in a block type is used
+for the output head too: the head gets the same QuantizedTensor (tie_word_embeddings is then False
+in the config, as fewbits' modules hold their weights themselves).
+
+The file is untrusted. Before anything is built, fewbits.files.gguf_header reads the header with
+every count bounded by the file's size and the tensor table held to llama.cpp's layout, and
+llama_config() checks every llama key that changes the numbers, as llama.cpp reads it:
+
+- integer keys (block_count, context_length, embedding_length, feed_forward_length, head_count,
+  head_count_kv, key_length / value_length, rope.dimension_count, vocab_size) must be integers
+  >= 1; float keys (layer_norm_rms_epsilon, rope.freq_base, rope.scaling.factor) finite and > 0;
+- block_count must be the number of blocks the tensors hold; embedding_length and vocab_size the
+  token embedding's shape; head_count a multiple of head_count_kv; rope.dimension_count the head
+  size (fewbits rotates whole heads) and even;
+- RoPE scaling is honoured as llama.cpp applies it: `rope.scaling.type` "linear" (llama.cpp's
+  default when the key is absent) with `rope.scaling.factor` (or the older `rope.scale_linear`)
+  becomes transformers' linear rope_scaling; "none" turns scaling off; other types (yarn,
+  longrope) are refused;
+- any other `llama.*` key is refused unless it is one known not to change this model's numbers
+  (expert counts of 0, the original context length of linear scaling, ...): a key fewbits does
+  not apply is never silently ignored;
+- the vocabulary (tokenizer.ggml.*) must be arrays of the types llama.cpp writes, no longer than
+  the embedding, and its special token ids inside it;
+- every float tensor and every block scale must be finite.
+
+Each problem is a FileFormatError naming the file; the config gets dtype float32 (the model's
+float layers and norms keep their precision: an F32 norm is not rounded to fp16).
 
 gguf_to_pretrained(path, out_dir) writes that as a fewbits Hugging Face directory (with the
-tokenizer transformers builds from the GGUF), which from_pretrained loads. Everything is read
-from the memory-mapped file and checked first: an architecture other than llama, a tensor of an
-unknown name, type or shape, or a missing one, is a FileFormatError naming the file.
+tokenizer transformers builds from the GGUF, read only once the file has passed the checks), which
+from_pretrained loads; gguf_to_float_pretrained(path, out_dir) writes it dequantized, as a plain
+float32 Hugging Face directory (what `fewbits quantize x.gguf` starts from: the same checks and
+the same config, its RoPE scaling included, which transformers' own GGUF loader drops).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 import torch
 
-from ..quant.tensor import QuantizedTensor
+from ..quant.tensor import QuantizedTensor, stored_problem
 from .gguf_blocks import GGUF_BLOCK_TYPES, decode_blocks
 from .gguf_file import rotary_permutation
+from .gguf_header import FLOAT_TYPES, INTEGER_TYPES, GGUFHeader, read_header
 from .safetensors_format import FileFormatError
 
-__all__ = ["read_gguf", "gguf_to_pretrained"]
+__all__ = ["read_gguf", "gguf_to_pretrained", "gguf_to_float_pretrained", "llama_config", "check_gguf"]
 
-_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}
+# llama.* keys read into the config (below), and keys known to leave a dense llama's numbers as they are
+_READ = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+         "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+         "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size", "rope.scaling.type",
+         "rope.scaling.factor", "rope.scale_linear"}
+_NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
+            "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None}
+_TOKEN_ARRAYS = {"tokenizer.ggml.tokens": "array[string]", "tokenizer.ggml.token_type": "array[i32]",
+                 "tokenizer.ggml.scores": "array[f32]", "tokenizer.ggml.merges": "array[string]"}
+_SPECIAL_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "unknown": "unk_token_id", "padding": "pad_token_id"}
 
 
-def _config(path: str) -> dict:
-    try:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError:
-        raise ImportError("reading a GGUF file needs transformers and gguf: pip install transformers gguf") from None
-    try:
-        cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
-    except (ValueError, KeyError, OSError, IndexError, TypeError) as e:
-        raise FileFormatError(path, f"not a GGUF model transformers can describe: {e}") from None
-    if cfg.get("model_type") != "llama":
-        raise FileFormatError(path, f"fb.from_pretrained reads llama GGUF files; this one is "
-                                    f"{cfg.get('model_type')!r}")
-    cfg.pop("_model_name_or_path", None)
-    cfg["architectures"] = ["LlamaForCausalLM"]
+class _Keys:
+    """Typed access to a header's llama.* keys; every problem a FileFormatError naming the file."""
+
+    def __init__(self, header: GGUFHeader, prefix: str):
+        self.h, self.prefix = header, prefix
+
+    def fail(self, problem: str):
+        raise FileFormatError(self.h.path, problem)
+
+    def int(self, key: str, default=None, minimum: int = 1):
+        full = self.prefix + key
+        v = self.h.metadata.get(full)
+        if v is None:
+            if default is None:
+                self.fail(f"{full} is missing")
+            return default
+        if v.type not in INTEGER_TYPES:
+            self.fail(f"{full} must be an integer, got {v.type} {_shown(v.value)}")
+        if v.value < minimum:
+            self.fail(f"{full} must be at least {minimum}, got {v.value}")
+        return int(v.value)
+
+    def float(self, key: str, default=None, zero_ok: bool = False):
+        full = self.prefix + key
+        v = self.h.metadata.get(full)
+        if v is None:
+            if default is None:
+                self.fail(f"{full} is missing")
+            return default
+        if v.type not in FLOAT_TYPES:
+            self.fail(f"{full} must be a float, got {v.type} {_shown(v.value)}")
+        x = float(v.value)
+        if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
+            self.fail(f"{full} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {x}")
+        return x
+
+    def string(self, key: str, default=None):
+        full = self.prefix + key
+        v = self.h.metadata.get(full)
+        if v is None:
+            return default
+        if v.type != "string":
+            self.fail(f"{full} must be a string, got {v.type} {_shown(v.value)}")
+        return v.value
+
+
+def _shown(value) -> str:
+    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _blocks_present(header: GGUFHeader) -> set[int]:
+    present = set()
+    for t in header.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            present.add(int(parts[1]))
+    return present
+
+
+def _rope_scaling(k: _Keys) -> dict | None:
+    """transformers' rope_scaling for the file's RoPE scaling, as llama.cpp applies it."""
+    kind = k.string("rope.scaling.type", "linear")  # llama.cpp's default when the key is absent
+    factor = k.float("rope.scaling.factor", 0.0, zero_ok=True)
+    if factor == 0.0:
+        factor = k.float("rope.scale_linear", 0.0, zero_ok=True)
+    if kind == "none" or factor in (0.0, 1.0) and kind == "linear":
+        return None
+    if kind != "linear":
+        k.fail(f"{k.prefix}rope.scaling.type {kind!r}: fewbits applies linear RoPE scaling (or none); "
+               f"{kind} is not supported")
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _check_other_keys(k: _Keys) -> None:
+    for full, v in k.h.metadata.items():
+        if not full.startswith(k.prefix):
+            continue
+        key = full[len(k.prefix):]
+        if key in _READ:
+            continue
+        if key not in _NEUTRAL:
+            k.fail(f"{full} is not a key fewbits applies (it reads {', '.join(sorted(_READ))}); "
+                   "refusing rather than ignoring it")
+        if _NEUTRAL[key] is not None and v.value != _NEUTRAL[key]:
+            k.fail(f"{full} = {_shown(v.value)}: fewbits' llama runs dense models only ({key} {_NEUTRAL[key]})")
+
+
+def _check_vocabulary(header: GGUFHeader, rows: int, cfg: dict) -> None:
+    def fail(problem):
+        raise FileFormatError(header.path, problem)
+
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is not None and model.type != "string":
+        fail(f"tokenizer.ggml.model must be a string, got {model.type}")
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    n = None
+    for key, kind in _TOKEN_ARRAYS.items():
+        v = header.metadata.get(key)
+        if v is None:
+            continue
+        if v.type != kind:
+            fail(f"{key} must be an {kind}, got {v.type}")
+        if key != "tokenizer.ggml.merges" and tokens is not None and len(v.value) != len(tokens.value):
+            fail(f"{key} has {len(v.value)} entries for {len(tokens.value)} tokens")
+    if tokens is not None:
+        n = len(tokens.value)
+        if n > rows:
+            fail(f"the vocabulary has {n} tokens, more than the {rows} rows of token_embd.weight")
+    k = _Keys(header, "tokenizer.ggml.")
+    for name, field in _SPECIAL_IDS.items():
+        tid = k.int(f"{name}_token_id", -1, minimum=0)
+        if tid < 0:
+            continue
+        if tid >= (n if n is not None else rows):
+            fail(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n if n is not None else rows}")
+        cfg[field] = tid
+
+
+def llama_config(header: GGUFHeader) -> dict:
+    """The transformers LlamaConfig fields of a validated GGUF header (see the module docstring);
+    a FileFormatError naming the file and the key for anything fewbits would not run as llama.cpp."""
+    arch = header.metadata.get("general.architecture")
+    if arch is None or arch.type != "string":
+        raise FileFormatError(header.path, "general.architecture is missing or not a string")
+    if arch.value != "llama":
+        raise FileFormatError(header.path, f"fb.from_pretrained reads llama GGUF files; this one is {arch.value!r}")
+    k = _Keys(header, "llama.")
+    _check_other_keys(k)
+    embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if embed is None or len(embed.dims) != 2:
+        k.fail("token_embd.weight is missing or not a matrix")
+    hidden, rows = embed.dims
+    layers = k.int("block_count")
+    present = _blocks_present(header)
+    if present != set(range(layers)):
+        k.fail(f"llama.block_count is {layers}, but the file's tensors are of "
+               f"{len(present)} block(s) numbered {min(present, default=0)}..{max(present, default=-1)}")
+    if k.int("embedding_length") != hidden:
+        k.fail(f"llama.embedding_length is {k.int('embedding_length')}, token_embd.weight's rows have {hidden}")
+    vocab = k.int("vocab_size", rows)
+    if vocab != rows:
+        k.fail(f"llama.vocab_size is {vocab}, token_embd.weight has {rows} rows")
+    heads = k.int("attention.head_count")
+    kv_heads = k.int("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        k.fail(f"llama.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if "llama.attention.key_length" in header.metadata:
+        head_dim = k.int("attention.key_length")
+    elif hidden % heads:
+        k.fail(f"llama.embedding_length {hidden} is not a multiple of attention.head_count {heads}")
+    else:
+        head_dim = hidden // heads
+    if k.int("attention.value_length", head_dim) != head_dim:
+        k.fail(f"llama.attention.value_length {k.int('attention.value_length')} differs from key_length {head_dim}")
+    rope_dims = k.int("rope.dimension_count", head_dim)
+    if rope_dims != head_dim or head_dim % 2:
+        k.fail(f"llama.rope.dimension_count {rope_dims}: fewbits rotates whole heads, which have {head_dim} "
+               "dimensions (an even count)")
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": rows,
+           "max_position_embeddings": k.int("context_length"), "hidden_size": hidden,
+           "num_hidden_layers": layers, "intermediate_size": k.int("feed_forward_length"),
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+           "rope_theta": k.float("rope.freq_base", 10000.0), "rms_norm_eps": k.float("attention.layer_norm_rms_epsilon"),
+           "tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors), "dtype": "float32"}
+    scaling = _rope_scaling(k)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    _check_vocabulary(header, rows, cfg)
     return cfg
 
 
@@ -69,57 +260,59 @@ def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _reader(path: str):
-    import gguf
+def check_gguf(path) -> tuple[GGUFHeader, dict]:
+    """(header, config) of the llama GGUF file at `path` once its header and metadata have passed
+    the checks (see the module docstring); reads no tensor data. Run it before anything else
+    (transformers' GGUF loader, the tokenizer) reads the file."""
+    header = read_header(path)
+    return header, llama_config(header)
 
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise FileFormatError(path, f"not a readable GGUF file: {e}") from None
 
-
-def read_gguf(path, reader=None) -> tuple[dict, dict]:
+def read_gguf(path) -> tuple[dict, dict]:
     """(config dict, {Hugging Face name: QuantizedTensor or float tensor}) of a llama GGUF file
-    (see the module docstring). reader: a gguf.GGUFReader of it already made (parsing a large
-    vocabulary takes a while)."""
-    path = os.fspath(path)
-    cfg = _config(path)
-    reader = reader if reader is not None else _reader(path)
+    (see the module docstring)."""
+    header, cfg = check_gguf(os.fspath(path))
+    path = header.path
     expected = _expected_names(cfg)
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg.get("num_key_value_heads") or cfg["num_attention_heads"]}
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors, problems = {}, []
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name not in expected:
             problems.append(f"{t.name}: not a tensor of a llama model with {cfg['num_hidden_layers']} layers")
             continue
         name, shape = expected.pop(t.name)
-        ggml = t.tensor_type.name
-        given = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
-        if given != shape:
-            problems.append(f"{t.name}: shape {given}, the config says {shape}")
+        if t.shape != shape:
+            problems.append(f"{t.name}: shape {t.shape}, the config says {shape}")
             continue
-        data = np.asarray(t.data)
+        raw = data[t.start:t.start + t.nbytes]
+        if t.ggml_type in _FLOATS:
+            raw = raw.view(_FLOATS[t.ggml_type])
+        elif t.ggml_type not in GGUF_BLOCK_TYPES:
+            problems.append(f"{t.name}: GGUF type {t.ggml_type} is not one fewbits reads (block types "
+                            f"{', '.join(GGUF_BLOCK_TYPES)}, F32, F16, BF16)")
+            continue
+        raw = raw.reshape(shape[0], -1)
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else None
         if kind in heads:  # rows back into transformers' rotary order
-            data = data.reshape(shape[0], -1)[torch.argsort(rotary_permutation(shape[0], heads[kind])).numpy()]
-        if ggml in GGUF_BLOCK_TYPES:
+            raw = raw[torch.argsort(rotary_permutation(shape[0], heads[kind])).numpy()]
+        if t.ggml_type in GGUF_BLOCK_TYPES:
             try:
-                tensors[name] = decode_blocks(data, ggml, shape)
+                value = decode_blocks(raw, t.ggml_type, shape)
             except ValueError as e:
                 problems.append(f"{t.name}: {e}")
-        elif ggml in _FLOATS:
-            raw = np.ascontiguousarray(data).reshape(-1)
-            if ggml == "BF16":
-                value = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
-            else:
-                value = torch.from_numpy(raw.copy())
-            if value.numel() != int(np.prod(shape)):
-                problems.append(f"{t.name}: {value.numel()} values for shape {shape}")
                 continue
-            tensors[name] = value.reshape(shape)
+            bad = stored_problem(value)
         else:
-            problems.append(f"{t.name}: GGUF type {ggml} is not one fewbits reads (block types "
-                            f"{', '.join(GGUF_BLOCK_TYPES)}, F32, F16, BF16)")
+            value = torch.from_numpy(np.array(raw)).reshape(shape)
+            if t.ggml_type == "BF16":
+                value = value.view(torch.bfloat16)
+            bad = None if bool(torch.isfinite(value).all()) else "holds NaN or infinite values"
+        if bad is not None:
+            problems.append(f"{t.name}: {bad}")
+            continue
+        tensors[name] = value
+    del data
     if expected:
         problems.append(f"missing: {', '.join(sorted(expected)[:6])}")
     if problems:
@@ -132,26 +325,55 @@ def read_gguf(path, reader=None) -> tuple[dict, dict]:
     return cfg, tensors
 
 
+def gguf_tokenizer(path, header: GGUFHeader):
+    """transformers' tokenizer of a checked GGUF file, or None for llama.cpp's vocabulary-less
+    model (tokenizer.ggml.model "none" or absent)."""
+    from transformers import AutoTokenizer
+
+    model = header.get("tokenizer.ggml.model")
+    if model in (None, "none"):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except (ValueError, KeyError, OSError, TypeError, IndexError, AttributeError) as e:
+        raise FileFormatError(path, f"its tokenizer cannot be read: {e}") from None
+
+
 def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     """Write the llama GGUF file `path` as a fewbits Hugging Face directory (quantized tensors
     kept as they are in the file) with its tokenizer; returns out_dir."""
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
     from .hf_dir import ShardWriter
 
     path = os.fspath(path)
-    reader = _reader(path)
-    cfg, tensors = read_gguf(path, reader)
-    field = reader.get_field("tokenizer.ggml.model")
-    del reader
-    tokenizer = None
-    if field is not None and field.contents() != "none":  # "none": llama.cpp's model without a vocabulary
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                      gguf_file=os.path.basename(path))
-        except (ValueError, KeyError, OSError) as e:
-            raise FileFormatError(path, f"its tokenizer cannot be read: {e}") from None
+    header, _ = check_gguf(path)
+    cfg, tensors = read_gguf(path)
+    tokenizer = gguf_tokenizer(path, header)
     with ShardWriter(out_dir, overwrite=overwrite) as writer:
         for name, value in tensors.items():
             writer.add(name, value)
+        return writer.finish(LlamaConfig(**cfg), tokenizer)
+
+
+def gguf_to_float_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
+    """Write the llama GGUF file `path` dequantized, as a plain float32 Hugging Face directory
+    (no quantization_config; a tied embedding tied again) with its tokenizer; returns out_dir."""
+    from transformers import LlamaConfig
+
+    from .hf_dir import ShardWriter
+
+    path = os.fspath(path)
+    header, _ = check_gguf(path)
+    cfg, tensors = read_gguf(path)
+    head = tensors.get("lm_head.weight")
+    if head is not None and head is tensors.get("model.embed_tokens.weight"):
+        del tensors["lm_head.weight"]
+        cfg["tie_word_embeddings"] = True
+    tokenizer = gguf_tokenizer(path, header)
+    with ShardWriter(out_dir, overwrite=overwrite) as writer:
+        for name in list(tensors):
+            value = tensors.pop(name)
+            writer.add(name, value.dequantize(torch.float32) if isinstance(value, QuantizedTensor)
+                       else value.to(torch.float32))
         return writer.finish(LlamaConfig(**cfg), tokenizer)

@@ -378,14 +378,17 @@ def _write_tokenizer(tokenizer, directory: str) -> None:
 def model_class(architectures):
     """The transformers class that builds a model of config.json's `architectures`: the first
     one transformers has (LlamaForCausalLM, BertModel, ...), else AutoModelForCausalLM when a
-    name ends in ForCausalLM, else AutoModel."""
+    name ends in ForCausalLM, else AutoModel. A name transformers has that is not a model class
+    (AutoTokenizer, ...) is a ValueError."""
     import transformers
 
     names = [a for a in (architectures or []) if isinstance(a, str)]
     for name in names:
         cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+        if cls is not None:  # AutoTokenizer, a function, ...: not something that builds a model
+            raise ValueError(f"architectures names {name!r}, which is not a transformers model class")
     causal = any(a.endswith("ForCausalLM") for a in names)
     return transformers.AutoModelForCausalLM if causal else transformers.AutoModel
 
@@ -466,6 +469,30 @@ def _read_json(path: str, what: str):
         raise FileFormatError(path, f"{what} is nested too deeply") from None
 
 
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def check_layer_count(config_path: str, config: dict | None, names) -> None:
+    """config.json's layer count must be the number of layers the tensors hold (checked before a
+    model of that many layers is built: 20000 layers stated for a 2-layer model would take
+    minutes and gigabytes on the meta device alone); a FileFormatError naming config.json."""
+    if not config:
+        return
+    for key in _LAYER_KEYS:
+        if key in config:
+            stated = config[key]
+            break
+    else:
+        return
+    if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
+        raise FileFormatError(config_path, f"{key} must be a positive integer, got {stated!r}")
+    present = {int(m.group(1)) for n in names for m in [_LAYER_INDEX.search(n)] if m is not None}
+    if present and present != set(range(stated)):
+        raise FileFormatError(config_path, f"{key} is {stated}, but the weights hold {len(present)} layer(s) "
+                              f"numbered {min(present)}..{max(present)}")
+
+
 class HFTensors(Mapping):
     """read_tensors' lazy mapping (see read_tensors). `.config` is config.json's content (or
     None), `.quantized` {module: (scheme, shape, dtype)}, `.files` the shard paths."""
@@ -488,6 +515,7 @@ class HFTensors(Mapping):
         self._qt: dict[str, str] = {}        # "m.weight" -> module m
         self._order: list[str] = []
         self._check(where)
+        check_layer_count(config_path, self.config, self._order)
 
     # --- the shards -----------------------------------------------------------------------------
     def _shards(self) -> tuple[list[str], dict[str, str]]:

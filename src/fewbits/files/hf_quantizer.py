@@ -115,7 +115,10 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("from_pretrained() builds the model with transformers: pip install transformers")
     register()
-    cls = model_class(config.get("architectures"))
+    try:
+        cls = model_class(config.get("architectures"))
+    except ValueError as e:
+        raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME), str(e)) from None
     device_map = {"": str(torch.device(device))}
     return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
                                device_map=device_map).eval()
@@ -123,17 +126,23 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
 
 def _from_gguf(path, *, device, dtype) -> nn.Module:
     """A llama GGUF file as a quantized model: its block tensors become QuantizedTensors as they
-    are (fewbits.files.gguf_reader), written to a temporary fewbits directory and loaded from it."""
+    are (fewbits.files.gguf_reader, which checks the file first), written to a temporary fewbits
+    directory and loaded from it. Float parameters default to float32: a GGUF's F32 norms and
+    float layers keep their precision, and an F16 one is widened exactly."""
     import shutil
     import tempfile
 
     from .gguf_reader import gguf_to_pretrained
 
+    path = os.fspath(path)
     work = tempfile.mkdtemp(prefix="fewbits-gguf-")
     try:
         directory = gguf_to_pretrained(path, os.path.join(work, "model"))
-        # tensors memory-mapped from the files stay valid once the files are unlinked (POSIX)
-        return from_pretrained(directory, device=device, dtype=dtype)
+        try:
+            # tensors memory-mapped from the files stay valid once the files are unlinked (POSIX)
+            return from_pretrained(directory, device=device, dtype=dtype if dtype is not None else torch.float32)
+        except FileFormatError as e:  # name the user's file, not the temporary directory
+            raise FileFormatError(path, e.problem) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -57,11 +57,14 @@ def _parameter_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_synthetic_llama(path, config, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                          shard_bytes: int = 1 << 30, overwrite: bool = False) -> dict:
+                          shard_bytes: int = 1 << 30, overwrite: bool = False,
+                          norm_range: tuple[float, float] | None = None) -> dict:
     """Write a random model of `config` (a LlamaConfig, or a size name of LLAMA_SHAPES) to the
     directory `path`: config.json, model-XXXXX-of-YYYYY.safetensors shards of at most about
     `shard_bytes`, model.safetensors.index.json. Returns {"parameters", "bytes", "shards"}.
-    The directory is built beside `path` and renamed when complete."""
+    The directory is built beside `path` and renamed when complete. norm_range (low, high):
+    the norms' weights drawn uniformly from it (a test that a norm is read at its own
+    precision needs them unlike 1.0); None: all ones."""
     from safetensors.torch import save_file
 
     if isinstance(config, str):
@@ -92,7 +95,10 @@ def write_synthetic_llama(path, config, dtype: torch.dtype = torch.bfloat16, see
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = {}
             for name, shape in group:
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") and norm_range is not None:
+                    low, high = norm_range
+                    t = (low + (high - low) * torch.rand(shape, generator=generator)).to(dtype)
+                elif name.endswith("norm.weight"):
                     t = torch.ones(shape, dtype=dtype)
                 else:
                     t = (torch.randn(shape, generator=generator) * 0.02).to(dtype)

@@ -1,0 +1,375 @@
+"""Every GGUF fewbits writes, fewbits runs, at the precision stored; a hostile or broken GGUF (or
+config.json) is refused with a FileFormatError naming the file, at once, before anything is built;
+metadata that changes the numbers is honoured or refused, never ignored."""
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import fewbits as fb  # noqa: E402
+from fewbits.cli import main  # noqa: E402
+from fewbits.files import FileFormatError, gguf_recipe  # noqa: E402
+from fewbits.files.conversion import convert  # noqa: E402
+from fewbits.files.gguf_file import RECIPES  # noqa: E402
+from fewbits.files.gguf_header import read_header  # noqa: E402
+from fewbits.models import synthetic_llama_config, write_synthetic_llama  # noqa: E402
+from fewbits.models.decoder import LlamaDecoder  # noqa: E402
+
+from gguf_craft import rewrite, serialize  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _save_tokenizer(path, extra: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"th": 256, "the": 257, "<|endoftext|>": 258})
+    vocab.update({f"x{i}": 259 + i for i in range(extra)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("t", "h"), ("th", "e")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+
+
+# (hidden, intermediate): rows that are multiples of 256 (k-quants as such) with a down projection
+# of 288 (llama.cpp's Q5_0 / Q5_1 / Q8_0 fallback), and rows of 64 with a down projection of 136
+# (no block type: that tensor stays float)
+SHAPES = {"rows256": (256, 288), "rows64": (64, 136)}
+
+
+def _source(root, hidden, inter, *, tied=True, dtype=torch.float32, **changes):
+    extra = "".join(f"_{k}" for k in sorted(changes))
+    path = root / f"src_{hidden}_{inter}_{'tied' if tied else 'untied'}_{str(dtype)[6:]}{extra}"
+    if not path.exists():
+        cfg = synthetic_llama_config("135m", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
+                                     tie_word_embeddings=tied, **changes)
+        write_synthetic_llama(path, cfg, dtype=dtype, norm_range=(0.5, 1.5), seed=hidden + inter)
+        _save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf_trust")
+
+
+def _convert(src, out, recipe, **options):
+    config = transformers.AutoConfig.from_pretrained(src)
+    convert(src, out, gguf_recipe(recipe, config), embeddings=True, tied="untie", **options)
+    return out
+
+
+def _reference(path):
+    """transformers' own GGUF loader: every tensor dequantized by the gguf package, in float32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                             dtype=torch.float32).eval()
+
+
+IDS = torch.tensor([[1, 5, 77, 200, 3, 258, 40, 9]])
+
+
+def _logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(ids).logits.float()
+
+
+@pytest.fixture(scope="module")
+def q4_0(root):
+    """A q4_0 GGUF of the rows64 source (its down projections stay float) to tamper with."""
+    return _convert(_source(root, *SHAPES["rows64"]), root / "base_q4_0.gguf", "q4_0")
+
+
+# --- 1. every file fewbits writes, fewbits runs, in the dtype stored --------------------------
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_gguf_fewbits_writes_it_runs(root, shape, recipe):
+    path = _convert(_source(root, *SHAPES[shape]), root / f"{shape}_{recipe}.gguf", recipe)
+    model = fb.from_pretrained(path)
+    want = _logits(_reference(path))
+    got = _logits(model)
+    assert got.dtype == torch.float32
+    # within the kernels' own rounding: torch's packed int4 matmul (the k-quants' kernel at a
+    # batch of 8 tokens) takes bfloat16 activations by design
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max(), recipe
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # the float tensors in the model hold the file's values exactly (F32 norms not rounded)
+    h = read_header(path)
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    norm = next(t for t in h.tensors if t.name == "output_norm.weight")
+    assert norm.ggml_type == "F32"
+    stored = torch.from_numpy(np.array(blob[norm.start:norm.start + norm.nbytes].view(np.float32)))
+    assert model.model.norm.weight.dtype == torch.float32
+    assert torch.equal(model.model.norm.weight.detach(), stored)
+    assert not torch.equal(stored, torch.ones_like(stored))
+    result = LlamaDecoder(model).generate(IDS[:, :4], 4)
+    assert result.tokens.shape == (1, 4)
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_generates_from_a_gguf_with_float_layers(root, q4_0):
+    """`fewbits quantize src136 --scheme q4_0 --out x.gguf` keeps the down projections F32 (rows of
+    136); `fewbits generate x.gguf` ran them against fp16 activations before."""
+    src = _source(root, *SHAPES["rows64"])
+    out = root / "cli_q4_0.gguf"
+    rc, _, err = _run(["quantize", str(src), "--scheme", "q4_0", "--out", str(out), "--quiet"])
+    assert rc == 0, err
+    types = {t.name: t.ggml_type for t in read_header(out).tensors}
+    assert types["blk.0.ffn_down.weight"] == "F32"
+    rc, text, err = _run(["generate", str(out), "--prompt", "the", "--max-new-tokens", "3", "--quiet"])
+    assert rc == 0, err
+    assert "decode 2 tokens" in text
+
+
+def test_f16_output_tensor_among_quantized_ones(root):
+    """llama.cpp's --output-tensor-type f16: an F16 output.weight among Q4_0 tensors."""
+    src = _source(root, 64, 128, tied=False, dtype=torch.float16)
+    config = transformers.AutoConfig.from_pretrained(src)
+    rules = gguf_recipe("q4_0", config)
+    rules["lm_head"] = None
+    out = root / "f16_output.gguf"
+    convert(src, out, rules, embeddings=True, tied="keep")
+    assert {t.name: t.ggml_type for t in read_header(out).tensors}["output.weight"] == "F16"
+    model = fb.from_pretrained(out)
+    want = _logits(_reference(out))
+    assert (_logits(model) - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+# --- 2. no small file hangs the loader ---------------------------------------------------------
+def _load_in_subprocess(path, timeout=120):
+    """fb.from_pretrained(path) in a child limited to 4 GB of address space: (exit code, the
+    child's last line). A hang fails the test instead of the run."""
+    code = textwrap.dedent(f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+        import fewbits as fb
+        from fewbits.files import FileFormatError
+        try:
+            fb.from_pretrained({os.fspath(path)!r})
+        except FileFormatError as e:
+            print("FileFormatError:", e)
+            sys.exit(3)
+        print("loaded")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode, lines[-1] if lines else ""
+
+
+def test_huge_array_count_in_a_small_file_is_refused_at_once(tmp_path):
+    """gguf-py's reader looped past the end of such a file, allocating (3.7 GB after 60 s)."""
+    blob = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    blob += struct.pack("<Q", 20) + b"general.architecture" + struct.pack("<IQ", 8, 5) + b"llama"
+    blob += struct.pack("<Q", 1) + b"x" + struct.pack("<IIQ", 9, 0, 1 << 40)  # an array of 2^40 u8
+    blob += b"\0" * (65536 - len(blob))
+    path = tmp_path / "array.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(FileFormatError, match="declares 1099511627776 entries") as e:
+        read_header(path)
+    assert str(path) in str(e.value)
+    rc, last = _load_in_subprocess(path)
+    assert rc == 3 and "entries" in last, last
+
+
+@pytest.mark.parametrize("count", [20000, 100000])
+def test_block_count_beyond_the_tensors_is_refused(q4_0, tmp_path, count):
+    bad = tmp_path / "blocks.gguf"
+    rewrite(q4_0, bad, set={"llama.block_count": ("u32", count)})
+    rc, last = _load_in_subprocess(bad)
+    assert rc == 3 and f"block_count is {count}" in last and str(bad) in last, last
+
+
+def test_config_layer_count_beyond_the_weights_is_refused(root, tmp_path):
+    out = tmp_path / "dir"
+    fb.files.convert(_source(root, 64, 128), out, "int4")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = 20000
+    (out / "config.json").write_text(json.dumps(cfg))
+    rc, last = _load_in_subprocess(out)
+    assert rc == 3 and "num_hidden_layers is 20000" in last and "config.json" in last, last
+    with pytest.raises(FileFormatError, match="2 layer"):
+        fb.from_pretrained(out)
+
+
+# --- 3. metadata that changes the numbers: honoured or refused ---------------------------------
+def test_linear_rope_scaling_is_honoured(root, tmp_path):
+    src = _source(root, 64, 128, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = _convert(src, tmp_path / "linear.gguf", "q8_0")
+    h = read_header(path)
+    assert h.get("llama.rope.scaling.type") == "linear" and h.get("llama.rope.scaling.factor") == 4.0
+    model = fb.from_pretrained(path)
+    assert model.config.rope_parameters["rope_type"] == "linear"
+    assert model.config.rope_parameters["factor"] == 4.0
+    # the reference: the same dequantized weights in a float model of the source's config
+    plain = tmp_path / "plain.gguf"
+    rewrite(path, plain, drop=("llama.rope.scaling.type", "llama.rope.scaling.factor"))
+    unscaled = _reference(plain)  # transformers' GGUF loader reads no rope scaling
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src),
+                                                              dtype=torch.float32).eval()
+    reference.load_state_dict(unscaled.state_dict())
+    want = _logits(reference)
+    got = _logits(model)
+    error = (got - want).abs().max()
+    assert error <= 1e-4 * want.abs().max()
+    ignored = (_logits(unscaled) - want).abs().max()  # what loading it as plain RoPE gives
+    assert ignored > 1e-3 * want.abs().max() and ignored > 20 * error
+
+
+def test_scale_factor_without_a_type_is_linear_as_in_llama_cpp(q4_0, tmp_path):
+    bad = tmp_path / "factor.gguf"
+    rewrite(q4_0, bad, set={"llama.rope.scaling.factor": ("f32", 2.0)})
+    assert fb.from_pretrained(bad).config.rope_parameters["factor"] == 2.0
+    none = tmp_path / "none.gguf"
+    rewrite(q4_0, none, set={"llama.rope.scaling.factor": ("f32", 2.0), "llama.rope.scaling.type": ("string", "none")})
+    assert fb.from_pretrained(none).config.rope_parameters.get("rope_type", "default") == "default"
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"llama.rope.scaling.type": ("string", "yarn"), "llama.rope.scaling.factor": ("f32", 4.0)}, "yarn"),
+    ({"llama.rope.scaling.factor": ("f32", -2.0)}, "rope.scaling.factor"),
+    ({"llama.attention.layer_norm_rms_epsilon": ("f32", float("nan"))}, "layer_norm_rms_epsilon"),
+    ({"llama.attention.layer_norm_rms_epsilon": ("f32", -1e-5)}, "layer_norm_rms_epsilon"),
+    ({"llama.rope.freq_base": ("f32", float("nan"))}, "rope.freq_base"),
+    ({"llama.rope.freq_base": ("f32", 0.0)}, "rope.freq_base"),
+    ({"llama.expert_count": ("u32", 8)}, "expert_count"),
+    ({"llama.attention.clamp_kqv": ("f32", 8.0)}, "clamp_kqv"),
+    ({"llama.attention.head_count": ("string", "4")}, "head_count must be an integer"),
+    ({"llama.attention.head_count": ("u32", 0)}, "head_count must be at least 1"),
+    ({"llama.attention.head_count": ("i32", -4)}, "head_count must be at least 1"),
+    ({"llama.rope.dimension_count": ("u32", 15)}, "rope.dimension_count 15"),
+    ({"llama.embedding_length": ("string", "64")}, "embedding_length must be an integer"),
+    ({"llama.embedding_length": ("u32", 128)}, "embedding_length is 128"),
+    ({"llama.context_length": ("f32", 2048.0)}, "context_length must be an integer"),
+    ({"general.architecture": ("string", "qwen2")}, "qwen2"),
+    ({"tokenizer.ggml.eos_token_id": ("u32", 5000)}, "eos_token_id 5000"),
+])
+def test_metadata_refused_naming_the_file(q4_0, tmp_path, edit, match):
+    bad = tmp_path / "bad.gguf"
+    rewrite(q4_0, bad, set=edit)
+    with pytest.raises(FileFormatError, match=match) as e:
+        fb.from_pretrained(bad)
+    assert str(bad) in str(e.value)
+
+
+def test_a_token_list_of_integers_is_refused(q4_0, tmp_path):
+    bad = tmp_path / "tokens.gguf"
+    n = len(read_header(q4_0).get("tokenizer.ggml.tokens"))
+    rewrite(q4_0, bad, set={"tokenizer.ggml.tokens": ("array[u32]", list(range(n)))})
+    with pytest.raises(FileFormatError, match="tokenizer.ggml.tokens must be an array\\[string\\]"):
+        fb.from_pretrained(bad)
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused(q4_0, tmp_path):
+    h = read_header(q4_0)
+    tokens = h.get("tokenizer.ggml.tokens") + [f"extra{i}" for i in range(10)]
+    types = h.get("tokenizer.ggml.token_type").tolist() + [1] * 10
+    bad = tmp_path / "vocab.gguf"
+    rewrite(q4_0, bad, set={"tokenizer.ggml.tokens": ("array[string]", tokens),
+                            "tokenizer.ggml.token_type": ("array[i32]", types)})
+    with pytest.raises(FileFormatError, match="394 tokens, more than the 384 rows"):
+        fb.from_pretrained(bad)
+
+
+def test_big_endian_file_is_named(q4_0, tmp_path):
+    bad = tmp_path / "be.gguf"
+    rewrite(q4_0, bad, big_endian=True)
+    with pytest.raises(FileFormatError, match="big-endian"):
+        fb.from_pretrained(bad)
+
+
+def _float_norm_nan(name, raw):
+    if name == "blk.1.attn_norm.weight":
+        return struct.pack("<f", float("nan")) + raw[4:]
+    return raw
+
+
+def test_nan_in_a_norm_tensor_is_refused(q4_0, tmp_path):
+    bad = tmp_path / "nan.gguf"
+    rewrite(q4_0, bad, data=_float_norm_nan)
+    with pytest.raises(FileFormatError, match="blk.1.attn_norm.weight: holds NaN") as e:
+        fb.from_pretrained(bad)
+    assert str(bad) in str(e.value)
+
+
+def test_nan_block_scale_is_reported_against_the_gguf(q4_0, tmp_path):
+    def nan_scale(name, raw):
+        if name == "blk.0.attn_q.weight":  # Q4_0: the first block's fp16 scale
+            return np.array([np.nan], dtype=np.float16).tobytes() + raw[2:]
+        return raw
+
+    bad = tmp_path / "scale.gguf"
+    rewrite(q4_0, bad, data=nan_scale)
+    with pytest.raises(FileFormatError, match="blk.0.attn_q.weight: its scales hold NaN") as e:
+        fb.from_pretrained(bad)
+    assert str(e.value).startswith(str(bad))
+
+
+@pytest.mark.parametrize("how", ["one byte off", "shared offset", "out of order"])
+def test_tensor_offsets_must_follow_one_another(q4_0, tmp_path, how):
+    def edit(infos):
+        if how == "one byte off":
+            infos[3][3] += 1
+        elif how == "shared offset":
+            infos[3][3] = infos[2][3]
+        else:
+            infos[2], infos[3] = infos[3], infos[2]
+        return infos
+
+    bad = tmp_path / "offsets.gguf"
+    rewrite(q4_0, bad, tensors=edit)
+    with pytest.raises(FileFormatError, match="tensors must follow one another"):
+        fb.from_pretrained(bad)
+
+
+def test_truncated_gguf_names_the_file(q4_0, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    data = q4_0.read_bytes()
+    bad.write_bytes(data[:len(data) - 1000])
+    with pytest.raises(FileFormatError, match="past the end of the file") as e:
+        fb.from_pretrained(bad)
+    assert str(bad) in str(e.value)
+    rc, _, err = _run(["quantize", str(bad), "--scheme", "q8_0", "--out", str(tmp_path / "out.gguf"), "--quiet"])
+    assert rc == 2 and str(bad) in err and "past the end of the file" in err, err
+
+
+def test_quantizing_a_gguf_keeps_its_rope_scaling(root, tmp_path):
+    """`fewbits quantize x.gguf` read the file through transformers, which drops the rope scaling:
+    the model it wrote was another model. Now it goes through fewbits' reader."""
+    src = _source(root, 64, 128, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = _convert(src, tmp_path / "linear.gguf", "q8_0")
+    out = tmp_path / "again.gguf"
+    rc, _, err = _run(["quantize", str(path), "--scheme", "q8_0", "--out", str(out), "--quiet"])
+    assert rc == 0, err
+    h = read_header(out)
+    assert h.get("llama.rope.scaling.type") == "linear" and h.get("llama.rope.scaling.factor") == 4.0
+
+
+def test_architectures_naming_a_non_model_class(root, tmp_path):
+    out = tmp_path / "dir"
+    fb.files.convert(_source(root, 64, 128), out, "int4")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = ["AutoTokenizer"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileFormatError, match="AutoTokenizer.*not a transformers model class") as e:
+        fb.from_pretrained(out)
+    assert "config.json" in str(e.value)
