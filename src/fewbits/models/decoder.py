@@ -38,13 +38,14 @@ new weights) is always run as it is now.
 from __future__ import annotations
 
 import operator
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import native
 from ._deps import TRANSFORMERS_HINT, require_modules
-from .generation import GenerationResult, _check, _loop
+from .generation import GenerationResult, _check, _loop, check_cache_fits
 
 __all__ = ["LlamaDecoder"]
 
@@ -115,7 +116,15 @@ class LlamaDecoder:
     """Greedy generation through a written-out forward and a preallocated KV cache (see the module).
 
     model: a transformers causal LM of a SUPPORTED architecture, in eval mode (fewbits-quantized
-    or not). The cache grows to the longest generation asked for and is kept between calls.
+    or not). The cache grows to the longest generation asked for and is kept between calls; a
+    generation whose cache (prompt + max_new_tokens positions) would not fit in the memory
+    available is refused with a ValueError before anything is allocated.
+
+    Threads: one decoder runs one generation at a time. generate() and step_logits() hold a lock
+    for the whole call, so calls from several threads are serialized (each waits for the one
+    before to finish, and gets the tokens a serial run gives; its timing starts once it runs).
+    For generations that run at the same time, give each thread a LlamaDecoder of its own over
+    the same model: each has its own cache. `last_path` is the path of the last call to finish.
     """
 
     def __init__(self, model, path: str = "auto"):
@@ -126,6 +135,7 @@ class LlamaDecoder:
         self.path = path
         self._parts()  # refuse an unsupported model now, not at the first generate()
         self._k = self._v = None
+        self._lock = threading.Lock()  # one generation at a time over the one cache
         self.last_path: str | None = None  # the path the last generate() decoded with
 
     # --- the model's parts, looked up at each generate() ----------------------------------------
@@ -193,8 +203,16 @@ class LlamaDecoder:
             k = self._k
             if (k is None or k.shape[3] < total or k.shape[:3] != shape[:3] or k.shape[4] != head_dim
                     or k.dtype != dtype or k.device != device):
-                self._k = torch.zeros(shape, dtype=dtype, device=device)
-                self._v = torch.zeros(shape, dtype=dtype, device=device)
+                self._k = self._v = k = None  # the old cache's memory counts as available
+                element = torch.empty(0, dtype=dtype).element_size()
+                # the keys and values, and the rotary embedding of every position (positions as
+                # int64, its float32 frequencies, cos and sin and their copies)
+                need = 2 * len(parts) * kv_heads * head_dim * total * element + total * (8 + 24 * head_dim)
+                check_cache_fits(need, total, max_new_tokens)
+                # empty, not zeros: no position is read before it is written, and untouched pages
+                # cost no memory, so a generation that stops early uses what it generated
+                self._k = torch.empty(shape, dtype=dtype, device=device)
+                self._v = torch.empty(shape, dtype=dtype, device=device)
             capacity = self._k.shape[3]
             positions = torch.arange(capacity, device=device).unsqueeze(0)
             cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
@@ -297,8 +315,9 @@ class LlamaDecoder:
         (on the native path see the module). stop: token ids (e.g. the tokenizer's end of
         sequence) that end it early, kept as the last token. `last_path` then says which path ran."""
         stop = frozenset(_token_ids(stop))
-        forward = self._forward(input_ids, max_new_tokens)
-        return _loop(forward, input_ids, max_new_tokens, None, stop=stop)
+        with self._lock:
+            forward = self._forward(input_ids, max_new_tokens)
+            return _loop(forward, input_ids, max_new_tokens, None, stop=stop)
 
     def step_logits(self, input_ids: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """The logits (1, 1, vocab) of the prompt's last position, then of each of tokens (1, n)
@@ -307,8 +326,8 @@ class LlamaDecoder:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError("tokens must be a (1, n) tensor of token ids")
         n = input_ids.shape[1]
-        forward = self._forward(input_ids, tokens.shape[1])
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
+            forward = self._forward(input_ids, tokens.shape[1])
             out = [forward(input_ids, torch.tensor([[0]]), None)]
             for i in range(tokens.shape[1] - 1):
                 out.append(forward(tokens[:, i:i + 1], torch.tensor([[n + i]]), None))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import time
 import types
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ from torch.nn.modules import module as torch_module
 
 from ._deps import TRANSFORMERS_HINT, require_modules
 
-__all__ = ["GenerationResult", "greedy_generate", "CompiledGenerator", "dynamo_graph_breaks"]
+__all__ = ["GenerationResult", "greedy_generate", "CompiledGenerator", "dynamo_graph_breaks", "kv_cache_bytes",
+           "available_memory", "check_cache_fits"]
 
 
 @dataclass
@@ -84,6 +86,70 @@ def _check(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
         raise ValueError("the model is in training mode; call model.eval() first")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) and garbage: None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still take, or None where it cannot be told: the
+    kernel's MemAvailable (/proc/meminfo), lowered by the cgroup's limit less its usage (cgroup
+    v2 memory.max / memory.current) where one is set; without /proc, the physical memory
+    (sysconf)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            avail = None
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        avail = max(0, limit - used) if avail is None else min(avail, max(0, limit - used))
+    return avail if avail is None or avail > 0 else None
+
+
+def _head_dim(config) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_bytes(config, positions: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache of `positions` positions for a decoder of `config` (a transformers
+    config): layers x 2 (keys, values) x kv heads x head_dim x positions x the element size."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty(0, dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * _head_dim(config) * positions * element
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def check_cache_fits(need: int, positions: int, max_new_tokens: int | None = None) -> None:
+    """ValueError unless `need` bytes (a KV cache of `positions` positions and what goes with it)
+    fit in the memory available now (available_memory; nothing is refused where that is
+    unknown). Called before the cache is allocated, so an absurd max_new_tokens is a clear error
+    rather than an allocation of hundreds of gigabytes."""
+    avail = available_memory()
+    if avail is None or need <= avail:
+        return
+    asked = f" (the prompt + max_new_tokens={max_new_tokens})" if max_new_tokens is not None else ""
+    raise ValueError(f"a KV cache of {positions} positions{asked} needs {_gigabytes(need)} of memory, more than "
+                     f"the {_gigabytes(avail)} available: ask for fewer new tokens")
+
+
 def _positions(start: int, length: int, device) -> torch.Tensor:
     return torch.arange(start, start + length, device=device).unsqueeze(0)
 
@@ -92,6 +158,9 @@ def _next_token(logits: torch.Tensor) -> torch.Tensor:
     # argmax's index (the first of equal maxima, a NaN's where there is one) through max(dim),
     # whose CPU reduction took 23 us for SmolLM2's 49152 logits where argmax took 65 us
     return logits[:, -1, :].max(dim=-1, keepdim=True).indices
+
+
+_FIRST_TOKENS = 1024
 
 
 def _loop(forward, input_ids, max_new_tokens, cache, prefill=None, stop=None) -> GenerationResult:
@@ -113,7 +182,9 @@ def _loop(forward, input_ids, max_new_tokens, cache, prefill=None, stop=None) ->
 
 def _timed_loop(forward, prefill, input_ids, max_new_tokens, cache, stop) -> GenerationResult:
     n = input_ids.shape[1]
-    out = torch.empty(1, max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
+    # the new tokens' buffer grows (doubling) with what is generated: a large max_new_tokens
+    # that a stop token ends early allocates nothing for the rest
+    out = torch.empty(1, min(max_new_tokens, _FIRST_TOKENS), dtype=input_ids.dtype, device=input_ids.device)
     made = max_new_tokens
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -124,6 +195,9 @@ def _timed_loop(forward, prefill, input_ids, max_new_tokens, cache, stop) -> Gen
             made = 1
         for i in range(1, made):
             token = _next_token(forward(token, _positions(n + i - 1, 1, input_ids.device), cache))
+            if i == out.shape[1]:
+                more = torch.empty(1, min(i, max_new_tokens - i), dtype=out.dtype, device=out.device)
+                out = torch.cat((out, more), dim=1)
             out[:, i:i + 1] = token
             if stop and int(token) in stop:
                 made = i + 1
@@ -188,9 +262,16 @@ def model_fingerprint(model) -> tuple:
     return tensors, modules, config_state, global_hooks
 
 
-def _static_cache(model, max_cache_len: int):
+def _static_cache(model, max_cache_len: int, max_new_tokens: int | None = None):
     from transformers import StaticCache
 
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    try:
+        need = kv_cache_bytes(model.config, max_cache_len, dtype)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        need = None  # not a decoder config this estimate knows: StaticCache says what is wrong
+    if need is not None:
+        check_cache_fits(need, max_cache_len, max_new_tokens)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
@@ -204,7 +285,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache: 
     if cache == "dynamic":
         kv = DynamicCache(config=model.config)
     elif cache == "static":
-        kv = _static_cache(model, input_ids.shape[1] + max_new_tokens)
+        kv = _static_cache(model, input_ids.shape[1] + max_new_tokens, max_new_tokens)
     else:
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     return _loop(_eager_forward(model), input_ids, max_new_tokens, kv)

@@ -1,0 +1,141 @@
+"""LlamaDecoder and the greedy loop under threads and at absurd lengths: concurrent generate()
+calls on one decoder each get the tokens of a serial run; a generation whose KV cache cannot
+fit in memory is refused with a ValueError before anything is allocated, whatever the model's
+configuration allows. No timing is checked here."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import fewbits as fb  # noqa: E402
+from fewbits.models import generation  # noqa: E402
+from fewbits.models.decoder import LlamaDecoder  # noqa: E402
+from fewbits.models.generation import CompiledGenerator, greedy_generate, kv_cache_bytes  # noqa: E402
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+
+
+def _model(**overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SMALL, **overrides})
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _concurrent(fn, count: int) -> list:
+    """fn(i) in `count` threads started together; their results, or the first exception raised."""
+    results, errors = [None] * count, []
+    barrier = threading.Barrier(count)
+
+    def run(i):
+        try:
+            barrier.wait()
+            results[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - reraised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("path,scheme", [("torch", None), ("auto", "int4_g32")])
+def test_concurrent_generate_on_one_decoder_gives_each_the_serial_tokens(path, scheme):
+    model = _model()
+    if scheme:
+        fb.quantize_model(model, scheme)
+    dec = LlamaDecoder(model, path=path)
+    # different prompt lengths and lengths of generation: a shared cache would be overwritten
+    # at the positions another call is reading
+    prompts = [_prompt(i, 3 + 2 * i) for i in range(8)]
+    lengths = [10 + 3 * i for i in range(8)]
+    serial = [dec.generate(p, n).tokens for p, n in zip(prompts, lengths)]
+    for _ in range(2):
+        got = _concurrent(lambda i: dec.generate(prompts[i], lengths[i]).tokens, 8)
+        assert [torch.equal(a, b) for a, b in zip(got, serial)] == [True] * 8
+    steps = _concurrent(lambda i: dec.step_logits(prompts[i], serial[i]), 8)
+    for i, logits in enumerate(steps):
+        assert torch.equal(torch.cat([x[:, -1].max(-1).indices for x in logits]), serial[i][0])
+
+
+def test_a_decoder_per_thread_over_one_model_runs_at_the_same_time():
+    model = _model()
+    fb.quantize_model(model, "int4_g32")
+    prompts = [_prompt(i, 4 + i) for i in range(4)]
+    serial = [LlamaDecoder(model).generate(p, 16).tokens for p in prompts]
+    got = _concurrent(lambda i: LlamaDecoder(model).generate(prompts[i], 16).tokens, 4)
+    assert [torch.equal(a, b) for a, b in zip(got, serial)] == [True] * 4
+
+
+def test_a_cache_past_memory_is_refused_before_allocating():
+    # a configuration that allows 2^31 positions and a generation of a billion tokens: 2 layers
+    # x 2 (k, v) x 2 kv heads x 16 x 1e9 positions x 4 bytes = 512 GB of cache
+    model = _model(max_position_embeddings=2 ** 31)
+    dec = LlamaDecoder(model)
+    with pytest.raises(ValueError, match="memory") as e:
+        dec.generate(_prompt(0, 5), 10 ** 9)
+    assert "1000000005 positions" in str(e.value) and "max_new_tokens" in str(e.value)
+    assert dec._k is None  # nothing allocated
+    with pytest.raises(ValueError, match="memory"):
+        dec.step_logits(_prompt(0, 5), torch.zeros(1, 1, dtype=torch.long).expand(1, 10 ** 9))
+    # the decoder still works, with a cache of what this generation needs
+    assert torch.equal(dec.generate(_prompt(0, 5), 7).tokens, greedy_generate(model, _prompt(0, 5), 7).tokens)
+    assert dec._k.shape[3] == 12
+
+
+def test_the_cache_is_compared_with_the_memory_available(monkeypatch):
+    model = _model(max_position_embeddings=4096)
+    need = kv_cache_bytes(model.config, 1000, torch.float32)
+    assert need == 2 * 2 * 2 * 16 * 1000 * 4
+    monkeypatch.setattr(generation, "available_memory", lambda: need // 2)
+    with pytest.raises(ValueError, match=r"memory.*available"):
+        LlamaDecoder(model).generate(_prompt(0, 10), 990)
+    with pytest.raises(ValueError, match=r"memory.*available"):
+        greedy_generate(model, _prompt(0, 10), 990, cache="static")
+    with pytest.raises(ValueError, match=r"memory.*available"):
+        CompiledGenerator(model, max_cache_len=1000)
+    monkeypatch.setattr(generation, "available_memory", lambda: need * 4)
+    ref = greedy_generate(model, _prompt(0, 10), 20)
+    assert torch.equal(LlamaDecoder(model).generate(_prompt(0, 10), 20).tokens, ref.tokens)
+
+
+def test_available_memory_is_a_positive_count_of_bytes():
+    avail = generation.available_memory()
+    assert avail is None or (isinstance(avail, int) and avail > 0)
+
+
+def test_the_token_buffer_grows_with_what_is_generated():
+    # the loop's buffer of new tokens is not sized by max_new_tokens up front (8 GB here)
+    model = _model(max_position_embeddings=2 ** 31)
+    seen = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        seen.append(shape)
+        return real_empty(*shape, **kw)
+
+    eos = int(greedy_generate(model, _prompt(3, 4), 3).tokens[0, 2])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(generation.torch, "empty", empty)
+        from transformers import DynamicCache
+
+        out = generation._loop(generation._eager_forward(model), _prompt(3, 4), 10 ** 9,
+                               DynamicCache(config=model.config), stop=frozenset([eos]))
+    assert out.tokens.shape[1] <= 3
+    assert all(s[-1] < 10 ** 6 for s in seen if s and isinstance(s[-1], int))
