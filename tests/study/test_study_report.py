@@ -1,6 +1,7 @@
 """The report writer: formatting, escaping, files written, every shown number in results.json."""
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -101,3 +102,63 @@ def test_render_without_order_lists_figures_then_tables():
                           "note": ""}])
     page = render_html(_study([part]))
     assert page.index('src="f.png"') < page.index("<table")
+
+
+# the page's content box: main's max-width 1180 px less 2 x 32 px of padding
+CONTENT_PX = 1180 - 2 * 32
+CHAR_PX, CELL_PAD_PX, WRAP_MIN_PX = 7.5, 16, 12 * 13  # 13 px text; a wrapping cell is at least 12em
+
+
+def _table_min_width(table_html: str) -> float:
+    """The narrowest this table can be laid out (an estimate: 7.5 px a character, which errs wide for
+    13 px text): a cell that cannot wrap needs its whole text; a wrapping cell (class "wrap") its
+    12em; a header wraps at its spaces."""
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", table_html)
+    widths: dict[int, float] = {}
+    for row in rows:
+        for j, (tag, attrs, text) in enumerate(re.findall(r"<(t[hd])([^>]*)>(.*?)</t[hd]>", row)):
+            text = html.unescape(text)
+            if tag == "th":
+                need = max(len(w) for w in text.split() or [""]) * CHAR_PX
+            elif "wrap" in attrs:
+                need = WRAP_MIN_PX
+            else:
+                need = len(text) * CHAR_PX
+            widths[j] = max(widths.get(j, 0), need + CELL_PAD_PX)
+    return sum(widths.values())
+
+
+def test_wide_tables_fit_the_page(tmp_path):
+    """Every format (specials), a value in every format (its bits and code) and the training policies
+    (matmuls ran as) were wider than the page and cut off: their long text cells wrap now, so each
+    fits; any table still wider than the page scrolls inside its own overflow-x:auto box."""
+    from fewbits.study import run as study_run
+
+    ctx = study_run.StudyContext(out=tmp_path, quick=True, model=None, say=lambda m: None)
+    formats = study_run.part_formats(ctx).as_dict()
+    gemm = ("linear layers: fp8 row-wise GEMMs, emulated (FP8 GEMMs need FP8 tensor cores (CUDA compute capability "
+            "8.9+); this CPU's torch._scaled_mm is a slow reference); other matmuls: bfloat16")
+    policies = {"title": "Policies", "note": "", "rows": [
+        {"policy": "fp8-rowwise", "final_loss": 0.1234, "loss_change": -0.0123, "step_time_s": 0.0123,
+         "state_bytes": 1_530_000, "peak_memory_bytes": 4_190_000, "skipped_steps": 0, "underflow_fraction": 0.0123,
+         "lost_update_fraction": 0.456, "saturated_fraction": 0.0, "final_loss_scale": 65536.0, "gemm_path": gemm}],
+        "columns": [{"key": k, "label": lab, "format": f} for k, lab, f in (
+            ("policy", "policy", "text"), ("final_loss", "final loss", "f4"), ("loss_change", "vs first", "pct"),
+            ("step_time_s", "step ms", "ms"), ("state_bytes", "state", "bytes"),
+            ("peak_memory_bytes", "peak growth", "bytes"), ("skipped_steps", "skipped", "int"),
+            ("underflow_fraction", "underflow", "pct"), ("lost_update_fraction", "lost updates", "pct"),
+            ("saturated_fraction", "saturated", "pct"), ("final_loss_scale", "final loss scale", "num"),
+            ("gemm_path", "matmuls ran as", "text"))]}
+    train = _part("train", tables=[policies])
+    page = write_report(_study([dict(_part(), **formats), train]), tmp_path).read_text()
+    tables = re.findall(r'<div class="table-wrap">(<table>.*?</table>)</div>', page, re.S)
+    assert len(tables) == page.count("<table") == 3
+    widths = {title: _table_min_width(t) for title, t in zip(("Every format", "0.3952", "Policies"), tables)}
+    assert all(w <= CONTENT_PX for w in widths.values()), widths
+    # the long cells are the ones that wrap; numbers never do
+    assert "NaN (no subnormals, no zero, unsigned)</td>" in page
+    for long_text in ("NaN (no subnormals, no zero, unsigned)", gemm.replace("'", "&#x27;")):
+        assert f'<td class="wrap">{long_text}</td>' in page
+    css = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
+    assert re.search(r"td\.wrap \{[^}]*white-space:normal", css)
+    assert re.search(r"\.table-wrap \{[^}]*overflow-x:auto", css)

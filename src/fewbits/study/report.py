@@ -54,10 +54,11 @@ ul.highlights { margin:6px 0 0; padding-left:22px; }
 figure { margin:14px 0 18px; }
 figure img { max-width:100%; height:auto; border:1px solid var(--line); border-radius:4px; }
 figcaption { color:var(--muted); font-size:13.5px; margin-top:4px; }
-.table-wrap { overflow-x:auto; margin:6px 0 4px; }
+.table-wrap { overflow-x:auto; max-width:100%; margin:6px 0 4px; }
 table { border-collapse:collapse; font-size:13px; font-variant-numeric:tabular-nums; }
-th, td { border-bottom:1px solid var(--line); padding:3px 10px; text-align:left; white-space:nowrap; }
-th { background:var(--bg); font-weight:600; position:sticky; top:0; }
+th, td { border-bottom:1px solid var(--line); padding:3px 8px; text-align:left; white-space:nowrap; }
+th { background:var(--bg); font-weight:600; white-space:normal; vertical-align:bottom; }
+td.wrap { white-space:normal; overflow-wrap:anywhere; min-width:12em; max-width:32em; }
 td.num, th.num { text-align:right; }
 tr.flag td { background:#fff8e1; }
 p.tnote { color:var(--muted); font-size:13px; margin:2px 0 10px; }
@@ -133,6 +134,9 @@ def format_value(v, kind: str = "num") -> str:
 
 
 _TEXT_KINDS = ("text",)
+# a text column with a cell longer than this wraps (td.wrap: at least 12em wide), so that wide
+# tables (every format's specials, the bits of a value, how the matmuls ran) fit the page
+WRAP_CHARS = 24
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,13 +150,15 @@ def _table_html(table: dict) -> str:
     cols = table["columns"]
     head = "".join(f'<th class="{"" if c.get("format", "num") in _TEXT_KINDS else "num"}">{_e(c["label"])}</th>'
                    for c in cols)
+    texts = [[format_value(row.get(c["key"]), c.get("format", "num")) for c in cols] for row in table["rows"]]
+    wrap = [c.get("format", "num") in _TEXT_KINDS and any(len(t[j]) > WRAP_CHARS for t in texts)
+            for j, c in enumerate(cols)]
     body = []
-    for row in table["rows"]:
+    for row, row_texts in zip(table["rows"], texts):
         cells = []
-        for c in cols:
-            kind = c.get("format", "num")
-            cls = "" if kind in _TEXT_KINDS else ' class="num"'
-            cells.append(f"<td{cls}>{_e(format_value(row.get(c['key']), kind))}</td>")
+        for j, c in enumerate(cols):
+            cls = ' class="wrap"' if wrap[j] else "" if c.get("format", "num") in _TEXT_KINDS else ' class="num"'
+            cells.append(f"<td{cls}>{_e(row_texts[j])}</td>")
         flag = ' class="flag"' if row.get("_flag") else ""
         body.append(f"<tr{flag}>{''.join(cells)}</tr>")
     out = []
