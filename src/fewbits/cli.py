@@ -566,6 +566,8 @@ def _causal_lm(spec: str):
     tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
     if quant == "fewbits":
         return from_pretrained(path), tokenizer, f"{path} (fewbits-quantized)"
+    from .files.hf_dir import read_tensors
+    read_tensors(path).close()  # shards, index and layer count checked before transformers builds the model
     model = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype="float32", local_files_only=True)).eval()
     return model, tokenizer, path

@@ -373,3 +373,17 @@ def test_architectures_naming_a_non_model_class(root, tmp_path):
     with pytest.raises(FileFormatError, match="AutoTokenizer.*not a transformers model class") as e:
         fb.from_pretrained(out)
     assert "config.json" in str(e.value)
+
+
+def test_generate_refuses_a_plain_directory_stating_more_layers_than_it_holds(root, tmp_path):
+    """transformers built 20000 layers (minutes, gigabytes) before noticing the weights were missing."""
+    src = tmp_path / "plain"
+    shutil.copytree(_source(root, 64, 128), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 20000
+    (src / "config.json").write_text(json.dumps(cfg))
+    code = ("import sys; from fewbits.cli import main; "
+            f"sys.exit(main(['generate', {str(src)!r}, '--prompt', 'the', '--max-new-tokens', '2', '--quiet']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "num_hidden_layers is 20000, but the weights hold 2 layer(s)" in proc.stderr
