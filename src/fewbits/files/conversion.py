@@ -22,24 +22,33 @@ from ..quant.scheme import get_scheme
 from .gguf_blocks import gguf_block_type
 from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
-__all__ = ["FORMATS", "convert"]
+__all__ = ["FORMATS", "convert", "float_matrices"]
 
 FORMATS = ("hf", "gguf", "fewbits")
 
 
+_NAMED_FORMATS = {".gguf": ("gguf", "a GGUF file"), ".safetensors": ("fewbits", "a fewbits safetensors file")}
+_FORMAT_WHAT = {"hf": "a Hugging Face directory", "gguf": "a GGUF file", "fewbits": "a fewbits safetensors file"}
+
+
 def output_format(out, format: str | None = None) -> str:
     """The format asked for, or the one the output's name implies: *.gguf -> gguf,
-    *.safetensors -> fewbits, anything else -> hf (a directory)."""
+    *.safetensors -> fewbits, anything else -> hf (a directory). A name that implies another
+    format than the one asked for (format "hf" for "x.gguf": a directory called x.gguf) is a
+    ValueError."""
+    name = os.fspath(out)
+    implied = next(((f, what, ext) for ext, (f, what) in _NAMED_FORMATS.items() if name.lower().endswith(ext)),
+                   None)
     if format is not None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        if implied is not None and implied[0] != format:
+            f, what, ext = implied
+            raise ValueError(f"{name}: the name ends in {ext}, {what}, but the format asked for is {format} "
+                             f"({_FORMAT_WHAT[format]}); name the output without {ext}, or ask for {f} "
+                             f"(--format {f}, or no --format)")
         return format
-    name = os.fspath(out).lower()
-    if name.endswith(".gguf"):
-        return "gguf"
-    if name.endswith(".safetensors"):
-        return "fewbits"
-    return "hf"
+    return implied[0] if implied is not None else "hf"
 
 
 def check_gguf_source(source) -> None:
@@ -89,7 +98,8 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             progress: bool | Callable | None = None, **options) -> ConversionSummary:
     """Quantize the HF model directory `source` with `scheme_or_rules` (as fb.quantize_model)
     and write it to `out` in `format` (see the module docstring; default from out's name).
-    Returns the ConversionSummary, whose `bytes` is the size of the output on disk."""
+    Returns the ConversionSummary, whose `bytes` is the size of the output on disk and, for GGUF,
+    `types` the GGML types written with their tensor counts (llama.cpp's fallbacks show there)."""
     from .hf_dir import read_tensors
 
     fmt = output_format(out, format)
@@ -128,8 +138,9 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
 
             from .gguf_file import write_gguf
             # the source's tokenizer files (the staged copies are the same): errors name the source
-            write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
-                       tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
+            written = write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
+                                 tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
+            summary.types = dict(written.types)
         else:
             from safetensors import SafetensorError
 
@@ -143,3 +154,24 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
     summary.out = out
     return summary
 
+
+def float_matrices(out) -> list[dict]:
+    """The matrices a written hf directory or fewbits file `out` holds in float (2-d `*.weight`
+    tensors of a float dtype; quantized ones are stored as codes and scales), read from the
+    safetensors headers, largest first: [{"name", "shape", "dtype", "bytes"}]."""
+    from safetensors import safe_open
+
+    out = os.fspath(out)
+    paths = ([os.path.join(out, n) for n in sorted(os.listdir(out)) if n.endswith(".safetensors")]
+             if os.path.isdir(out) else [out])
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+    found = []
+    for path in paths:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                shape, dtype = part.get_shape(), part.get_dtype()
+                if name.endswith(".weight") and len(shape) == 2 and dtype in sizes:
+                    found.append({"name": name, "shape": list(shape), "dtype": dtype,
+                                  "bytes": shape[0] * shape[1] * sizes[dtype]})
+    return sorted(found, key=lambda f: -f["bytes"])

@@ -227,26 +227,35 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> str | None:
+def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> tuple[str | None, str | None]:
+    """(the GGML type module m gets, None for float; why it is not the recipe's own type, or None)."""
     if recipe in UNIFORM_RECIPES:
         t = recipe.upper()
+        why = None
     else:
         base = MIXED_RECIPES[recipe]
-        t = base
+        t, why = base, None
         if m.category == "output" or (m.category == "token_embd" and tied):
-            t = "Q8_0" if m.row % _block(base) else "Q6_K"
+            if m.row % _block(base):
+                t, why = "Q8_0", f"{recipe}'s output layer, rows of {m.row} not a multiple of {_block(base)}"
+            else:
+                t, why = "Q6_K", f"{recipe}'s output layer"
         elif m.category in ("attn_v", "ffn_down") and recipe in ("q4_k_m", "q5_k_m"):
             if _use_more_bits(m.layer, n_layers):
-                t = "Q6_K"
+                t, why = "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
         elif m.category == "attn_v" and recipe == "q4_k_s" and m.layer < 4:
-            t = "Q5_K"
+            t, why = "Q5_K", f"{recipe}'s more bits for attn_v of the first 4 layers"
         elif m.category == "ffn_down" and recipe == "q4_k_s" and m.layer < n_layers // 8:
-            t = "Q5_K"
+            t, why = "Q5_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
     if m.row % _block(t):
-        t = _FALLBACK.get(t)
+        wanted = t
+        t = _FALLBACK.get(wanted)
         if t is None or m.row % _block(t):
-            return None
-    return t
+            return None, (f"rows of {m.row} are not a multiple of {wanted}'s {_block(wanted)}"
+                          + (f" nor of {t}'s {_block(t)}" if t is not None else "") + ": kept in float")
+        why = (f"{why}; " if why else "") + (f"rows of {m.row} are not a multiple of {wanted}'s "
+                                              f"{_block(wanted)}: llama.cpp's fallback")
+    return t, why
 
 
 def _scheme_of(type_name: str) -> str:
@@ -262,6 +271,13 @@ def gguf_recipe(name: str, config) -> dict[str, str | None]:
     "q5_k_m") on a model with this config (LlamaForCausalLM or BertModel): every Linear and the
     token embedding (for a tied model the embedding stands for the output too). See the module
     docstring for the rules and their differences from llama.cpp."""
+    return {m: None if t is None else _scheme_of(t) for m, (t, _) in gguf_recipe_types(name, config).items()}
+
+
+def gguf_recipe_types(name: str, config) -> dict[str, tuple[str | None, str | None]]:
+    """gguf_recipe with its reasons: {module name: (GGML type, or None for float; why the module
+    does not get the recipe's own type -- a mix's rule, llama.cpp's fallback for its row length --
+    or None where it does)}."""
     if not isinstance(name, str) or name.lower() not in RECIPES:
         raise ValueError(f"unknown GGUF recipe {name!r}; recipes: {', '.join(RECIPES)}")
     recipe = name.lower()
@@ -270,8 +286,10 @@ def gguf_recipe(name: str, config) -> dict[str, str | None]:
     d = _dims(cfg, arch)
     out = {}
     for m in _modules(cfg, arch):
-        t = None if m.category == "pooler" else _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"])
-        out[m.name] = None if t is None else _scheme_of(t)
+        if m.category == "pooler":
+            out[m.name] = (None, "BERT's pooler is not written")
+        else:
+            out[m.name] = _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"])
     return out
 
 

@@ -53,7 +53,8 @@ STREAM_SHARD_BYTES = 1 << 29  # output shards of 512 MiB: the writer holds one w
 @dataclasses.dataclass
 class ConversionSummary:
     """What quantize_pretrained did: layers quantized, parameters, bytes written, bits per
-    parameter (every stored byte over every parameter), seconds, peak resident memory."""
+    parameter (every stored byte over every parameter), seconds, peak resident memory; for a
+    GGUF output (fewbits.files.conversion.convert) the GGML types written with their tensor counts."""
     layers: int
     parameters: int
     bytes: int
@@ -61,6 +62,7 @@ class ConversionSummary:
     seconds: float
     peak_rss_bytes: int
     out: str
+    types: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
