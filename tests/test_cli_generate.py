@@ -77,7 +77,7 @@ def test_smollm2_from_a_gguf_file(tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["nowhere", "--prompt", "x"], "unknown model 'nowhere'"),
+    (["nowhere", "--prompt", "x"], "nowhere: file not found"),
     (["smollm2", "--prompt", "x", "--scheme", "int5"], "unknown quantization scheme 'int5'"),
     (["smollm2", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["smollm2", "--prompt", "x", "--threads", "0"], "--threads must be at least 1"),

@@ -29,7 +29,7 @@ def test_list_presets_json():
 
 @pytest.mark.parametrize("argv, msg", [
     (["quantize", "--scheme", "nf5"], "unknown quantization scheme"),
-    (["quantize", "--model", "/nonexistent/dir", "--scheme", "nf4", "--quiet"], "unknown model"),
+    (["quantize", "--model", "/nonexistent/dir", "--scheme", "nf4", "--quiet"], "/nonexistent/dir: file not found"),
     (["quantize", "--budget", "0.5", "--quiet"], "--budget"),
     (["quantize"], "give --scheme"),
 ])

@@ -10,6 +10,7 @@ starts), a `study` part that failed (its report is still written), or an unexpec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -413,6 +414,14 @@ def _quant_list(args, out) -> int:
     return 0
 
 
+def _model_found(spec: str, builtins: tuple[str, ...]) -> None:
+    """A MODEL that is neither built in nor on disk: "file not found", before anything is read."""
+    if spec in builtins or os.path.exists(os.path.expanduser(spec)):
+        return
+    raise ValueError(f"{spec}: file not found (no such file or directory; the built-in models are "
+                     f"{', '.join(builtins)})")
+
+
 def _quant_source(model: str, tmp: str) -> str:
     """The Hugging Face directory to convert: a built-in model's, the given directory, or a GGUF
     file converted (dequantized by transformers) into `tmp`."""
@@ -435,25 +444,38 @@ def _gb(n: float) -> str:
 
 
 def _quant_convert(args, out, say) -> int:
-    """`fewbits quantize MODEL --scheme S --out OUT [--format F]`: write a deployable model."""
-    from .files.conversion import convert, output_format, scratch_directory
+    """`fewbits quantize MODEL --scheme S --out OUT [--format F]`: write a deployable model.
+    Everything that can be checked without reading the model is checked first: the format and
+    OUT's name, the scheme (resolved to its canonical name, once, here) against the format, the
+    options, the model's existence, the output path."""
+    from .files.conversion import convert, float_matrices, output_format, scratch_directory
     from .files.streaming import tokenizer_files
     from .study import quantization as sq
 
     fmt = output_format(args.out, args.format)
+    scheme = sq.conversion_scheme(args.scheme, fmt) if args.scheme else None
+    if args.budget is not None and not 1 <= args.budget <= 32:
+        raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
+    if fmt == "gguf" and (args.tied is not None or args.embeddings):
+        raise ValueError("--tied and --embeddings go with --format hf or fewbits: for GGUF the recipe gives the "
+                         "token embedding its type (and llama.cpp reads a tied output layer from it)")
+    _model_found(args.model, ("minilm", "smollm2"))
     if os.path.lexists(args.out) and not args.overwrite:
         raise OSError(f"--out {args.out}: exists; add --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise OSError(f"--out {args.out}: {parent} is not a directory")
     _probe_writable(parent, "--out", args.out)
+    if scheme is not None and scheme != args.scheme:
+        say(f"--scheme {args.scheme} is {scheme}")
     with scratch_directory(args.out) as tmp:  # a GGUF source's float model (a kill leaves it to the next run)
         say(f"reading {args.model} ...")
         source = _quant_source(args.model, os.path.join(tmp, "model"))
         if fmt == "gguf" and tokenizer_files(source) is None:
             print(f"fewbits quantize: warning: {source} has no tokenizer files: the GGUF gets no vocabulary, so "
                   "llama.cpp can load it but not turn text into tokens", file=sys.stderr)
-        plan = sq.conversion_plan(source, args.scheme, fmt, budget=args.budget, progress=say)
+        plan = sq.conversion_plan(source, scheme, fmt, budget=args.budget, progress=say,
+                                  embeddings=args.embeddings, tied=args.tied)
         calibration = None
         if args.method == "gptq":
             calibration = sq.calibration_for_directory(source, args.calibration)
@@ -462,16 +484,65 @@ def _quant_convert(args, out, say) -> int:
         summary = convert(source, args.out, plan["rules"], format=fmt, method=args.method, calibration=calibration,
                           embeddings=plan["embeddings"], tied=plan["tied"], overwrite=args.overwrite,
                           progress=not args.quiet)
-    result = {"model": args.model, "format": fmt, **summary.to_dict()}
+        floats = float_matrices(args.out) if fmt != "gguf" else []
+        tied_source = _ties_embeddings(source)
+    result = {"model": args.model, "format": fmt, "scheme": plan["scheme"], **summary.to_dict()}
+    notes = []
+    result.pop("types")
+    if summary.types is not None:
+        result["types"] = sq.written_types(summary.types, plan["types"])
+    if floats:
+        result["float_matrices"] = floats
+        notes.append(_float_matrices_note(floats, summary.bytes, tied_source, plan))
     if args.json:
+        if notes:
+            result["notes"] = notes
         _emit_json(result, out)
     else:
         print(render_table(["layers", "bits/param", "size on disk", "time", "peak memory"],
                            [[str(summary.layers), f"{summary.bits_per_param:.3f}", _gb(summary.bytes),
                              f"{summary.seconds:.1f} s", _gb(summary.peak_rss_bytes)]], right=(0, 1, 2, 3, 4)),
               file=out)
+        if "types" in result:
+            print(f"GGUF types: {sq.written_types_text(result['types'])}", file=out)
+        for note in notes:
+            print(f"note: {note}", file=out)
         print(f"wrote {args.out}", file=out)
     return 0
+
+
+def _ties_embeddings(source: str) -> bool:
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            return bool(json.load(f).get("tie_word_embeddings", False))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+_DTYPE_WORDS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def _float_matrices_note(floats, total: int, tied: bool, plan) -> str:
+    """One sentence on the matrices a conversion left in float: which, their share of the output,
+    and the options that quantize them."""
+    size = sum(f["bytes"] for f in floats)
+    tied = tied and plan["tied"] == "keep"
+
+    def one(f):
+        what = f"{f['name']} ({'×'.join(map(str, f['shape']))}, {_DTYPE_WORDS.get(f['dtype'], f['dtype'])})"
+        if tied and "embed" in f["name"]:
+            what = f"the tied embedding/lm_head {what}"
+        return what
+
+    def amount(n):
+        return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+    listed = [one(f) for f in floats[:3]] + ([f"{len(floats) - 3} more"] if len(floats) > 3 else [])
+    verb = "stays" if len(floats) == 1 else "stay"
+    text = f"{', '.join(listed)} {verb} in float: {amount(size)} of {amount(total)} ({size / total:.0%})"
+    if any("embed" in f["name"] for f in floats) and not plan["embeddings"]:
+        text += ("; --embeddings --tied untie quantizes the embedding and the output layer each (two quantized "
+                 "copies of a tied matrix)" if tied else "; --embeddings quantizes the embedding")
+    return text
 
 
 def cmd_quantize(args, out) -> int:
@@ -493,6 +564,9 @@ def cmd_quantize(args, out) -> int:
         raise ValueError("give --scheme NAME, --compare A,B,... or --budget BITS")
     for s in schemes:
         get_scheme(s)  # unknown names fail before the model loads
+    if args.tied is not None or args.embeddings:
+        raise ValueError("--tied and --embeddings go with a conversion: --scheme S --out OUT")
+    _model_found(args.model, ("minilm", "smollm2"))
     if args.budget is not None and not 1 <= args.budget <= 32:
         raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
     if args.out:
@@ -573,6 +647,56 @@ def _causal_lm(spec: str):
     return model, tokenizer, path
 
 
+def _check_prompt(prompt: str) -> None:
+    """A prompt that is not text: bytes that are not UTF-8 reach Python's sys.argv as lone
+    surrogates ('\\udcff'), which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start:e.end]
+        shown = ", ".join(f"0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"U+{ord(c):04X}" for c in bad)
+        raise ValueError(f"--prompt is not valid UTF-8 text: {shown} at character {e.start} (pass the prompt "
+                         "in UTF-8)") from None
+
+
+def _refuse_requantizing(model: str, scheme: str, loaded=None) -> None:
+    """--scheme on a model that is quantized already: quantize_model would convert only its float
+    layers, and the run would be reported as `scheme` while it runs the stored one. Checked from
+    config.json before loading (a fewbits directory) and on the loaded model (a quantized GGUF)."""
+    kinds = None
+    if loaded is None:
+        config = os.path.join(os.path.expanduser(model), "config.json")
+        try:
+            with open(config) as f:
+                qc = json.load(f).get("quantization_config") or {}
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(qc, dict) and qc.get("quant_method"):
+            schemes = sorted({m.get("scheme") for m in (qc.get("modules") or {}).values()
+                              if isinstance(m, dict) and isinstance(m.get("scheme"), str)})
+            kinds = f"{qc['quant_method']}" + (f" {', '.join(schemes)}" if schemes else "")
+    else:
+        from .quant.plan import is_quantized
+
+        schemes = sorted({m.qweight.scheme.label for m in loaded.modules() if is_quantized(m)})
+        kinds = ", ".join(schemes) if schemes else None
+    if kinds:
+        raise ValueError(f"{model} is quantized already ({kinds}): --scheme {scheme} would quantize only its float "
+                         "layers and run the rest as stored; drop --scheme to run it as stored, or give the float "
+                         "model")
+
+
+def _check_token_ids(ids, model, tokenizer, what: str) -> None:
+    """Token ids the model's embedding has no row for: a tokenizer larger than the model's
+    vocabulary (an index error deep in the forward otherwise)."""
+    embedding = model.get_input_embeddings()
+    rows = int(getattr(embedding, "num_embeddings", 0) or 0)
+    top = int(ids.max())
+    if rows and top >= rows:
+        raise ValueError(f"{what}: the tokenizer gives token id {top} (it has {len(tokenizer)} tokens) but the "
+                         f"model's embedding has {rows} rows: the tokenizer does not belong to this model")
+
+
 def cmd_generate(args, out) -> int:
     import torch
 
@@ -585,18 +709,18 @@ def cmd_generate(args, out) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.scheme:
-        get_scheme(args.scheme)  # an unknown name fails before the model loads
+    _check_prompt(args.prompt)
+    scheme = get_scheme(args.scheme).name or args.scheme if args.scheme else None  # unknown: fails before loading
+    _model_found(args.model, ("smollm2",))
+    if scheme is not None:
+        _refuse_requantizing(args.model, scheme)
     say = Lines("fewbits", enabled=not args.quiet)
     say(f"loading {args.model} ...")
-    if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     model, tokenizer, what = _causal_lm(args.model)
-    if args.scheme:
-        say(f"quantizing to {args.scheme} ...")
-        quantize_model(model, args.scheme, tied="untie")
+    if scheme is not None:
+        _refuse_requantizing(what, scheme, model)
+        say(f"quantizing to {scheme} ...")
+        quantize_model(model, scheme, tied="untie")
     decoder = LlamaDecoder(model, path=args.path)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -606,6 +730,7 @@ def cmd_generate(args, out) -> int:
         ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
+    _check_token_ids(ids, model, tokenizer, what)
     stop = [] if args.no_stop or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     result = decoder.generate(ids, args.max_new_tokens, stop=stop)
     # the continuation decoded after the prompt, not alone: a tokenizer may drop a leading space
@@ -614,7 +739,7 @@ def cmd_generate(args, out) -> int:
     whole = tokenizer.decode(torch.cat([ids[0], result.tokens[0]]), skip_special_tokens=True)
     text = whole[len(before):] if whole.startswith(before) else tokenizer.decode(result.tokens[0],
                                                                                  skip_special_tokens=True)
-    info = {"model": what, "scheme": args.scheme, "path": decoder.last_path, "threads": torch.get_num_threads(),
+    info = {"model": what, "scheme": scheme, "path": decoder.last_path, "threads": torch.get_num_threads(),
             "prompt": args.prompt, "text": text, "prompt_tokens": result.prompt_tokens,
             "new_tokens": int(result.tokens.shape[1]), "prefill_tokens_per_s": result.prefill_tokens_per_s,
             "decode_tokens_per_s": result.decode_tokens_per_s,
@@ -628,7 +753,7 @@ def cmd_generate(args, out) -> int:
     print(text if args.chat else args.prompt + text, file=out)
     decode = (f"decode {info['new_tokens'] - 1} tokens at {info['decode_tokens_per_s']:.1f} tok/s"
               if info["new_tokens"] > 1 else "no decode step")
-    print(f"\n[{what}, {args.scheme or 'as stored'}, {info['threads']} thread(s), {decoder.last_path} decode path: "
+    print(f"\n[{what}, {scheme or 'as stored'}, {info['threads']} thread(s), {decoder.last_path} decode path: "
           f"prefill {info['prompt_tokens']} tokens at {info['prefill_tokens_per_s']:.0f} tok/s, {decode}"
           f"{', stopped at end of sequence' if info['stopped_at_eos'] else ''}]", file=out)
     if "native_reason" in info and args.path == "auto":
@@ -669,7 +794,7 @@ def cmd_train(args, out) -> int:
     cfg = TaskConfig(args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                      **{k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
                                           ("n_heads", args.heads), ("seq", args.seq)) if v is not None})
-    if args.compare and not args.plot:
+    if args.compare and not args.plot and not args.json:  # with --json, a picture only when --plot asks
         args.plot = f"train_compare_{cfg.task}.png"
     _check_plot(args)
     if len(policies) == 1:
@@ -1054,6 +1179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "safetensors file); default from OUT: *.gguf, *.safetensors, else hf")
     p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method gptq "
                    "(default: Python's pydoc topics)")
+    p.add_argument("--embeddings", action="store_true", help="with --out (hf, fewbits): quantize the token "
+                   "embedding too (default: it stays in float); on a tied model add --tied untie")
+    p.add_argument("--tied", choices=("keep", "untie"), help="with --out (hf, fewbits): keep (default) leaves a "
+                   "layer that shares its weight (a tied lm_head) in float; untie quantizes it on its own")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quick", action="store_true", help="fewer evaluation sentences/tokens")
     p.add_argument("--list", action="store_true", help="list the quantization presets and exit")
@@ -1102,8 +1231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, help="lm sequence length (default 256)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--telemetry-every", type=int, default=10, metavar="N", help="sample numerics every N steps")
-    p.add_argument("--plot", metavar="FILE.png", help="loss-curve plot (default with --compare: "
-                                                      "train_compare_TASK.png)")
+    p.add_argument("--plot", metavar="FILE.png", help="loss-curve plot (default with --compare and without "
+                                                      "--json: train_compare_TASK.png)")
     p.add_argument("--histogram", metavar="FILE.png", help="exponent histograms of one policy's tensors")
     p.add_argument("--layers-detail", action="store_true", help="per-layer telemetry in the JSON")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
@@ -1142,7 +1271,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stdout)
             return 0
         try:
-            args = parser.parse_args(_protect_negative_numbers(argv))
+            args = _parse(parser, _protect_negative_numbers(argv))
         except SystemExit as exc:  # --help, --version, usage errors (already printed by argparse)
             return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
         if args.command is None:
@@ -1150,10 +1279,90 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         command = f"fewbits {args.command}"
         _quiet_library_loggers()
-        return _run(command, args)
+        with _third_party_quiet(getattr(args, "quiet", False)):
+            return _run(command, args)
     except KeyboardInterrupt:  # Ctrl-C: no traceback; 130 = 128 + SIGINT, as a shell reports it
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subparsers only here
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return dict(action.choices)
+    return {}
+
+
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, with a mistyped command or option answered by that command's usage and the
+    close names: argparse reports an unknown option of a command with the top-level usage only,
+    and suggests nothing."""
+    commands = _subparsers(parser)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is not None and first not in commands and argv.index(first) == 0:
+        parser.error(f"unknown command {first!r}{_did_you_mean(first, commands)}; commands: {', '.join(commands)}")
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        target = commands.get(getattr(args, "command", None) or "", parser)
+        options = [o for a in target._actions for o in a.option_strings]  # noqa: SLF001
+        hints = [_did_you_mean(e.split("=", 1)[0], options) for e in extras if e.startswith("-")]
+        target.error(f"unrecognized arguments: {' '.join(extras)}{''.join(h for h in hints if h)}")
+    return args
+
+
+@contextlib.contextmanager
+def _third_party_quiet(enabled: bool):
+    """--quiet: no progress bars or warnings from the libraries fewbits calls (transformers'
+    logging and bars, huggingface_hub's and tqdm's bars, Python warnings) while the command runs;
+    errors still show. Restored afterwards (the command may run inside a longer process)."""
+    if not enabled:
+        yield
+        return
+    import logging
+    import warnings
+
+    undo = []
+    saved_env = {k: os.environ.get(k) for k in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
+                                                "TQDM_DISABLE")}
+    os.environ.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+    undo.append(lambda: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                         for k, v in saved_env.items()])
+    try:
+        import tqdm.std
+    except ImportError:
+        pass
+    else:
+        import functools
+
+        init = tqdm.std.tqdm.__init__
+        tqdm.std.tqdm.__init__ = functools.partialmethod(init, disable=True)
+        undo.append(lambda: setattr(tqdm.std.tqdm, "__init__", init))
+    if "transformers" in sys.modules:  # imported already: its settings were read; set them
+        from transformers.utils import logging as hf_logging
+
+        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        undo.append(lambda: (hf_logging.set_verbosity(level),
+                             hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()))
+    root = logging.getLogger()
+    root_level = root.level
+    root.setLevel(max(root_level, logging.ERROR))
+    undo.append(lambda: root.setLevel(root_level))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for u in reversed(undo):
+            u()
 
 
 def _quiet_library_loggers() -> None:

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -169,10 +170,48 @@ GGUF_BUDGET_CANDIDATES = ("q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
 GGUF_LEGACY_CANDIDATES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
+def conversion_scheme(scheme: str, fmt: str) -> str:
+    """The one resolution of a conversion's `--scheme` (fewbits quantize --out), made before the
+    model is read: the canonical name -- a preset's ("q4k", "Q4-K" -> "q4_k"; "e4m3" -> "fp8") or a
+    llama.cpp recipe's ("Q4_K_M" -> "q4_k_m") -- checked against the output format. For GGUF
+    every preset with a GGUF block type is that type's llama.cpp recipe (its fallbacks for row
+    lengths included: "q4k" is "q4_k", "w4a8" is written as "q4_0"); a preset without one (nf4,
+    int8, fp8, ...) is refused here, and so is a llama.cpp mix for another format."""
+    from ..files.gguf_blocks import gguf_block_type
+    from ..files.gguf_file import MIXED_RECIPES, RECIPES
+    from ..formats.names import normalize_name
+
+    if not isinstance(scheme, str) or not scheme.strip():
+        raise ValueError(f"--scheme needs a name, got {scheme!r}")
+    recipe = {normalize_name(r): r for r in RECIPES}.get(normalize_name(scheme))
+    if recipe in MIXED_RECIPES:
+        if fmt != "gguf":
+            raise ValueError(f"--scheme {scheme}: {recipe} is a llama.cpp mix of GGUF types: write it with "
+                             "--format gguf (an OUT ending in .gguf)")
+        return recipe
+    try:
+        preset = get_scheme(scheme)
+    except ValueError as e:
+        if fmt != "gguf":
+            raise
+        raise ValueError(f"{e}; with --format gguf also the llama.cpp mixes: {', '.join(MIXED_RECIPES)}") from None
+    if fmt != "gguf":
+        return preset.name or scheme
+    try:
+        return gguf_block_type(preset).lower()
+    except ValueError:
+        raise ValueError(f"--scheme {scheme}: {preset.label} has no GGUF type, so it cannot be written with "
+                         f"--format gguf; GGUF takes {', '.join(RECIPES)}; write {preset.label} with --format hf "
+                         "or fewbits") from None
+
+
 def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None = None,
-                    progress: Callable[[str], None] | None = None) -> dict:
-    """What `fewbits quantize --out` quantizes: {"rules", "embeddings", "tied"} for
-    fewbits.files.conversion.convert.
+                    progress: Callable[[str], None] | None = None, embeddings: bool = False,
+                    tied: str | None = None) -> dict:
+    """What `fewbits quantize --out` quantizes: {"scheme", "rules", "embeddings", "tied", "types"}:
+    the canonical scheme name (conversion_scheme), the rules, embeddings and tied of
+    fewbits.files.conversion.convert, and for a llama.cpp recipe each module's GGML type with
+    the reason it is not the recipe's own (gguf_file.gguf_recipe_types), else None.
 
     scheme: a preset for every Linear, or (GGUF) a llama.cpp mix such as q4_k_m, whose rules
     name every tensor's type, the token embedding included. budget: bits per parameter; the
@@ -181,34 +220,91 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     tied token embedding is quantized itself (llama.cpp reads the output head from it)."""
     from transformers import AutoConfig
 
-    from ..files.gguf_file import MIXED_RECIPES, RECIPES, gguf_recipe
+    from ..files.gguf_file import gguf_recipe, gguf_recipe_types
 
-    tied = "untie" if fmt == "gguf" else "keep"
+    name = conversion_scheme(scheme, fmt) if scheme is not None else None
+    if fmt == "gguf" and (embeddings or tied is not None):
+        raise ValueError("embeddings and tied go with the hf and fewbits formats: for GGUF the recipe gives the "
+                         "token embedding its type")
+    if fmt != "gguf" and embeddings and (tied or "keep") == "keep" and _ties_embeddings(source):
+        raise ValueError(f"{source}: the token embedding is the output layer's weight too (tie_word_embeddings), "
+                         "so quantizing the embedding with tied 'keep' (--tied keep, the default) leaves both in "
+                         "float; add --tied untie to quantize each")
+    tied = "untie" if fmt == "gguf" else (tied or "keep")
+    if budget is not None and not 1 <= budget <= 32:
+        raise ValueError(f"--budget is in bits per parameter (1..32), got {budget}")
     if fmt == "gguf":  # an architecture, config or tokenizer the GGUF writer refuses: before any work
         from ..files.conversion import check_gguf_source
         check_gguf_source(source)
     if budget is not None:
-        if not 1 <= budget <= 32:
-            raise ValueError(f"--budget is in bits per parameter (1..32), got {budget}")
         _need_tokenizer(source, "--budget (measuring each layer's sensitivity)")
         config = AutoConfig.from_pretrained(source)
         if fmt == "gguf":
             rows = {getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0)}
             candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
         else:
-            candidates = (scheme,) + BUDGET_CANDIDATES if scheme else BUDGET_CANDIDATES
+            candidates = (name,) + BUDGET_CANDIDATES if name else BUDGET_CANDIDATES
         subject = path_subject(source)
         allocation = allocate_for_budget(subject, list(dict.fromkeys(candidates)), budget, progress=progress)
-        return {"rules": dict(allocation["choices"]), "embeddings": False, "tied": "keep"}
-    if scheme is None:
+        return {"scheme": None, "rules": dict(allocation["choices"]), "embeddings": embeddings, "tied": tied,
+                "types": None}
+    if name is None:
         raise ValueError("give --scheme NAME (or --budget BITS) with --out")
-    name = scheme.lower()
-    if name in MIXED_RECIPES and fmt != "gguf":
-        raise ValueError(f"{scheme} is a llama.cpp mix of GGUF types: write it with --format gguf")
-    if fmt == "gguf" and name in RECIPES:  # llama.cpp's choice per tensor, its fallbacks included
-        return {"rules": gguf_recipe(name, AutoConfig.from_pretrained(source)), "embeddings": True, "tied": tied}
-    get_scheme(scheme)  # an unknown name fails here, with the close names
-    return {"rules": scheme, "embeddings": False, "tied": "keep"}
+    if fmt == "gguf":  # llama.cpp's choice per tensor, its fallbacks included
+        config = AutoConfig.from_pretrained(source)
+        return {"scheme": name, "rules": gguf_recipe(name, config), "embeddings": True, "tied": tied,
+                "types": gguf_recipe_types(name, config)}
+    return {"scheme": name, "rules": name, "embeddings": embeddings, "tied": tied, "types": None}
+
+
+def _ties_embeddings(source) -> bool:
+    """Whether the model in directory `source` shares its token embedding with an output layer:
+    a language-model head (a *ForCausalLM, *LMHeadModel or *ForMaskedLM architecture) and
+    tie_word_embeddings, whose default in transformers is true."""
+    try:
+        cfg = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(cfg, dict):
+        return False
+    heads = [a for a in cfg.get("architectures") or [] if isinstance(a, str)
+             and a.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM"))]
+    return bool(heads) and bool(cfg.get("tie_word_embeddings", True))
+
+
+_FLOAT_GGML = ("F32", "F16", "BF16", "F64")
+
+
+def written_types(types: dict, recipe_types: dict | None = None) -> list[dict]:
+    """The GGML types a GGUF conversion wrote, most tensors first: [{"type", "count", "why"}],
+    `types` as GGUFSummary.types ({type: tensor count}); `why` (or None) from the recipe's
+    reasons (conversion_plan's "types"): a mix's rule, llama.cpp's fallback for a row length,
+    a matrix kept in float; float tensors that are no quantizable module are vectors (norms)."""
+    rows = []
+    planned = list((recipe_types or {}).values())
+    kept = Counter(why for t, why in planned if t is None and why)
+    floats = [t for t in types if t in _FLOAT_GGML]
+    for t, n in sorted(types.items(), key=lambda kv: (-kv[1], kv[0])):
+        if t in _FLOAT_GGML:
+            parts = ["norms and other vectors"]
+            if kept:
+                where = "" if len(floats) == 1 else " (in one of " + "/".join(floats) + ")"
+                parts += [f"{c} {'matrix' if c == 1 else 'matrices'}{where}: {w}" for w, c in kept.items()]
+            why = "; ".join(parts)
+        else:
+            reasons = Counter(why for pt, why in planned if pt == t and why)
+            plain = sum(1 for pt, why in planned if pt == t and not why)
+            if len(reasons) == 1 and not plain:
+                why = next(iter(reasons))
+            else:
+                why = "; ".join(f"{c}: {w}" for w, c in reasons.items()) or None
+        rows.append({"type": t, "count": n, "why": why})
+    return rows
+
+
+def written_types_text(rows: list[dict]) -> str:
+    """'Q5_0 ×181 (rows of 576 are not ...: llama.cpp's fallback), Q4_K ×30, F32 ×61 (norms ...)'."""
+    return ", ".join(f"{r['type']} ×{r['count']}" + (f" ({r['why']})" if r["why"] else "") for r in rows)
 
 
 def smollm2_subject(eval_tokens: int = 4096, calib_batches: int = 8, seq_len: int = 256) -> Subject:
