@@ -9,6 +9,7 @@ byte), so no port is opened and no websocket client is needed.
         page = b.load("file:///path/report.html", screenshot="shot.png")
     page.errors        # console errors, uncaught exceptions, failed loads (strings)
     page.images        # [{'src', 'complete', 'naturalWidth', 'naturalHeight'}]
+    page.cut_tables    # tables wider than their box (they scroll sideways): [{'title', 'width', 'box'}]
 
 Also a script: `python tests/study/study_browser.py REPORT.html SHOT.png` prints the findings and
 saves the screenshot (how docs/report.png is made from a full report).
@@ -38,6 +39,12 @@ _LAUNCHER = ("import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2
 _IMAGES_JS = """JSON.stringify(Array.from(document.images).map(i => ({src: i.getAttribute('src'),
   complete: i.complete, naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight})))"""
 
+_CUT_TABLES_JS = """JSON.stringify(Array.from(document.querySelectorAll('.table-wrap')).filter(
+  w => w.scrollWidth > w.clientWidth + 1).map(w => {
+    const h = w.previousElementSibling;
+    return {title: h && h.tagName === 'H3' ? h.textContent : '', width: w.scrollWidth, box: w.clientWidth};
+  }))"""
+
 
 def chromium_path() -> str | None:
     if os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK):
@@ -52,6 +59,7 @@ class PageResult:
     images: list[dict] = field(default_factory=list)
     title: str = ""
     screenshot: str | None = None
+    cut_tables: list[dict] = field(default_factory=list)
 
     @property
     def broken_images(self) -> list[dict]:
@@ -180,6 +188,8 @@ class Browser:
         result.images = json.loads(images["result"]["value"])
         result.title = self._send("Runtime.evaluate", {"expression": "document.title", "returnByValue": True},
                                   session=session)["result"].get("value", "")
+        cut = self._send("Runtime.evaluate", {"expression": _CUT_TABLES_JS, "returnByValue": True}, session=session)
+        result.cut_tables = json.loads(cut["result"]["value"])
         if screenshot is not None:
             shot = self._send("Page.captureScreenshot", {"format": "png"}, session=session)
             Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
@@ -214,6 +224,8 @@ def main(argv: list[str]) -> int:
         print("  error:", e)
     for i in page.broken_images:
         print("  broken image:", i)
+    for t in page.cut_tables:
+        print(f"  table wider than the page (scrolls): {t['title']!r}, {t['width']} px in {t['box']} px")
     if page.screenshot:
         print("screenshot:", page.screenshot)
     return 1 if page.errors or page.broken_images else 0
