@@ -7,11 +7,13 @@ A leaf module: it imports nothing of fewbits, so every layer may use it."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 
 try:
@@ -21,6 +23,112 @@ except ImportError:  # not POSIX: no locks, so stale temporary directories are n
 
 TEMP_MARK = ".fewbits-tmp-"
 TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp puts after the prefix
+
+
+class ConcurrentWriteError(BlockingIOError):
+    """Another process (or another thread of this one) is writing the same target now: refused,
+    so that two writers are never both told they succeeded while one silently replaces the other."""
+
+
+# One writer per target. A writer (replacing(), DirectoryReplacement) holds an exclusive flock on
+# a lock file of its target from its start to its end; a second writer of the same target, in
+# any process of this user, finds it held and is refused with ConcurrentWriteError. The lock
+# files live in a private directory of the user's (not beside the target, where a killed
+# writer's would be left in the user's directory): named by the target's directory (device and
+# inode, whatever path reaches it) and file name, removed by their holder at the end, and a lock
+# file left by a killed writer (the kernel drops its lock) is taken by the next writer.
+# Reentrant within a thread (a conversion that stages beside its output and then writes it);
+# another thread of the same process is refused like another process.
+_held: dict[str, list] = {}  # lock file -> [fd, owning thread, depth]
+_held_guard = threading.Lock()
+
+
+def _lock_directory() -> str | None:
+    """The user's private directory of writer locks, made if missing; None where there can be
+    none (no flock, or a directory that is not a private one of this user's)."""
+    if fcntl is None:
+        return None
+    directory = os.path.join(tempfile.gettempdir(), f"fewbits-writers-{os.getuid()}")
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None  # not ours alone: no lock rather than a lock another user could hold or swap
+    return directory
+
+
+def _lock_file(path: str) -> str | None:
+    directory = _lock_directory()
+    if directory is None:
+        return None
+    try:
+        parent = os.stat(os.path.dirname(path))
+    except OSError:
+        return None  # the write itself reports the missing directory
+    key = f"{parent.st_dev}:{parent.st_ino}:{os.path.basename(path)}".encode("utf-8", "surrogateescape")
+    return os.path.join(directory, hashlib.sha256(key).hexdigest()[:32] + ".lock")
+
+
+def _take_writer_lock(path: str) -> str | None:
+    """Take the one-writer lock of target `path` (absolute) for this thread: the lock file's name
+    (give it to _drop_writer_lock at the end), or None where no lock can be had (the write goes
+    on unguarded, as before there were locks). ConcurrentWriteError if another writer holds it."""
+    name = _lock_file(path)
+    if name is None:
+        return None
+    me = threading.get_ident()
+    with _held_guard:
+        entry = _held.get(name)
+        if entry is not None:
+            if entry[1] != me:
+                raise ConcurrentWriteError(f"another thread of this process is writing {path}: "
+                                           f"two writers of one file cannot both succeed; wait for it to finish")
+            entry[2] += 1
+            return name
+        while True:
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                             0o600)
+            except OSError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConcurrentWriteError(f"another process is writing {path}: two writers of one file cannot "
+                                           f"both succeed; wait for it to finish, or write another file") from None
+            except OSError:  # a file system without locks
+                os.close(fd)
+                return None
+            if _same_inode(fd, name):
+                _held[name] = [fd, me, 1]
+                return name
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+
+
+def _drop_writer_lock(name: str | None) -> None:
+    if name is None:
+        return
+    with _held_guard:
+        entry = _held.get(name)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] > 0:
+            return
+        del _held[name]
+        try:
+            os.unlink(name)  # while still locked: nobody else can be holding this file
+        except OSError:
+            pass
+        os.close(entry[0])  # drops the lock
 
 
 def temp_prefix(path) -> str:
@@ -42,29 +150,37 @@ def replacing(path) -> Iterator[str]:
     cannot remove it, so each write first removes what earlier writes of the same target left that
     nobody is writing any more: a writer holds an exclusive flock on its directory from creation
     to the end, which the kernel drops when the process dies, so an unlocked directory of ours
-    with our name is stale."""
+    with our name is stale.
+
+    One writer per target: while one replacing() or DirectoryReplacement of `path` runs, another
+    one of the same path, in this process or another, is refused at its start with
+    ConcurrentWriteError (see _take_writer_lock); the same thread may nest them."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     prefix = temp_prefix(path)
-    _remove_stale_temps(directory, prefix)
-    fd, tmpdir = _locked_temp_dir(directory, prefix)
-    tmp = os.path.join(tmpdir, os.path.basename(path))
+    writer = _take_writer_lock(os.path.abspath(path))
     try:
+        _remove_stale_temps(directory, prefix)
+        fd, tmpdir = _locked_temp_dir(directory, prefix)
+        tmp = os.path.join(tmpdir, os.path.basename(path))
         try:
-            yield tmp
-            sync_fd = os.open(tmp, os.O_RDONLY)
             try:
-                os.fsync(sync_fd)
+                yield tmp
+                sync_fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(sync_fd)
+                finally:
+                    os.close(sync_fd)
+                os.chmod(tmp, 0o666 & ~_umask())  # private so far; give it a normal file's mode
+                os.replace(tmp, path)
             finally:
-                os.close(sync_fd)
-            os.chmod(tmp, 0o666 & ~_umask())  # private so far; give it a normal file's mode
-            os.replace(tmp, path)
+                _remove_temp_dir(tmpdir)
         finally:
-            _remove_temp_dir(tmpdir)
+            if fd is not None:
+                os.close(fd)  # drops the lock
+        _fsync_directory(directory)
     finally:
-        if fd is not None:
-            os.close(fd)  # drops the lock
-    _fsync_directory(directory)
+        _drop_writer_lock(writer)
 
 
 def _locked_temp_dir(directory: str, prefix: str) -> tuple[int | None, str]:
@@ -115,7 +231,11 @@ class DirectoryReplacement:
     old one into a temporary directory of ours, renames the new one in and removes the old (a
     process killed between those two renames leaves no target, and the old one under a temporary
     name, which the next write removes). Each write first removes the temporary directories of
-    earlier writes of the same target that nobody holds any more."""
+    earlier writes of the same target that nobody holds any more.
+
+    One writer per target, as for replacing(): from construction to commit() or abort() it holds
+    the target's writer lock, so a second writer of `path` (another process, another thread) is
+    refused at its construction with ConcurrentWriteError; the same thread may nest writers."""
 
     def __init__(self, path, overwrite: bool = False):
         self.path = os.path.abspath(os.fspath(path))
@@ -124,10 +244,16 @@ class DirectoryReplacement:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
         self._parent = os.path.dirname(self.path)
         self._prefix = temp_prefix(self.path)
+        self._fd = self._writer = None
         os.makedirs(self._parent, exist_ok=True)
-        _remove_stale_temps(self._parent, self._prefix, tree=True)
-        self._fd, self.tmp = _locked_temp_dir(self._parent, self._prefix)
-        os.chmod(self.tmp, 0o777 & ~_umask())  # a model directory, readable as any other
+        self._writer = _take_writer_lock(self.path)
+        try:
+            _remove_stale_temps(self._parent, self._prefix, tree=True)
+            self._fd, self.tmp = _locked_temp_dir(self._parent, self._prefix)
+            os.chmod(self.tmp, 0o777 & ~_umask())  # a model directory, readable as any other
+        except BaseException:
+            self._release()
+            raise
         self.done = False
 
     def __enter__(self) -> DirectoryReplacement:
@@ -181,6 +307,8 @@ class DirectoryReplacement:
         if self._fd is not None:
             os.close(self._fd)  # drops the lock
             self._fd = None
+        writer, self._writer = self._writer, None
+        _drop_writer_lock(writer)
 
 
 def _remove_temp_dir(tmpdir: str, tree: bool = False) -> None:
