@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from ..model_building import building, parameters_on_meta
 from ..progress import counter
 from ..quant.gptq import (
     _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block, capture_block_inputs,
@@ -95,18 +96,22 @@ def peak_rss_bytes() -> int:
 
 def model_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model of `config` with every parameter on the meta device (no memory) and its buffers
-    (rotary frequencies, position ids) computed for real, in eval mode."""
-    from accelerate import init_empty_weights
-
+    (rotary frequencies, position ids) computed for real, in eval mode. Safe to call from several
+    threads at once (they build one at a time), and nothing outside the calling thread's
+    construction lands on meta."""
     cls = model_class(getattr(config, "architectures", None))
-    try:
-        with init_empty_weights(include_buffers=False):
-            model = cls._from_config(config, dtype=dtype)
-    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
-        # a config.json of impossible sizes (negative, or beyond memory: the parameters are
-        # created, untouched, before they move to the meta device) or of missing fields
-        raise ValueError(f"cannot build {cls.__name__} from this configuration: {' '.join(str(e).split())[:300]}") from None
-    model.tie_weights()  # as from_pretrained does: a tied head is the embedding's very Parameter
+    # one construction at a time in the process, parameters on meta in this thread only (see
+    # fewbits.model_building: accelerate's init_empty_weights did it for every thread)
+    with building():
+        try:
+            with parameters_on_meta():
+                model = cls._from_config(config, dtype=dtype)
+        except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
+            # a config.json of impossible sizes (negative, or beyond memory: the parameters are
+            # created, untouched, before they move to the meta device) or of missing fields
+            raise ValueError(f"cannot build {cls.__name__} from this configuration: "
+                             f"{' '.join(str(e).split())[:300]}") from None
+        model.tie_weights()  # as from_pretrained does: a tied head is the embedding's very Parameter
     return model.eval()
 
 
