@@ -161,6 +161,19 @@ def test_an_hf_directory_named_like_a_gguf_file_is_refused(src, tmp_path, monkey
         fb.files.conversion.convert(src, tmp_path / "y.gguf", "int4", format="hf")
 
 
+def test_a_calibration_file_is_checked_before_the_model_is_read(src, tmp_path, monkeypatch):
+    _refuse_reading(monkeypatch)
+    out = str(tmp_path / "q")
+    rc, _, err = run(["quantize", str(src), "--scheme", "int4", "--method", "gptq", "--calibration",
+                      str(tmp_path / "none.txt"), "--out", out, "--quiet"])
+    assert rc == 2 and "none.txt: file not found" in err, err
+    (tmp_path / "c.txt").write_text("text")
+    rc, _, err = run(["quantize", str(src), "--scheme", "int4", "--calibration", str(tmp_path / "c.txt"), "--out",
+                      out, "--quiet"])
+    assert rc == 2 and "goes with --method gptq" in err, err  # before: ignored without a word
+    assert os.listdir(tmp_path) == ["c.txt"]
+
+
 @pytest.mark.parametrize("argv,usage,hint", [
     (["quantize", "smollm2", "--schema", "q4_0"], "usage: fewbits quantize", "did you mean --scheme?"),
     (["generate", "smollm2", "--prompt", "x", "--max-tokens", "3"], "usage: fewbits generate",
@@ -248,3 +261,26 @@ def test_a_tokenizer_larger_than_the_embedding_is_a_clear_error(tmp_path):
     small = _llama(tmp_path / "small", vocab_size=200)  # the tokenizer has 259 tokens
     rc, out, err = run(["generate", str(small), "--prompt", "the", "--max-new-tokens", "2", "--quiet"])
     assert rc == 2 and str(small) in err and "embedding has 200 rows" in err and "unexpected" not in err, err
+
+
+def test_quiet_silences_warnings_and_library_logging_and_restores_them(capsys):
+    import logging
+    import warnings
+
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    library = hf_logging.get_logger("transformers.modeling_utils")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cli._third_party_quiet(True):
+            warnings.warn("a third-party warning")
+            assert not library.isEnabledFor(logging.WARNING)
+            assert not logging.getLogger("somelib").isEnabledFor(logging.WARNING)
+            list(tqdm(range(3), desc="a bar"))
+        assert caught == []
+    assert capsys.readouterr().err == ""
+    assert hf_logging.get_verbosity() == level and library.isEnabledFor(logging.WARNING)
+    list(tqdm(range(3), desc="a bar"))
+    assert "a bar" in capsys.readouterr().err

@@ -456,6 +456,11 @@ def _quant_convert(args, out, say) -> int:
     scheme = sq.conversion_scheme(args.scheme, fmt) if args.scheme else None
     if args.budget is not None and not 1 <= args.budget <= 32:
         raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
+    if args.calibration is not None:
+        if args.method != "gptq":
+            raise ValueError("--calibration is the text GPTQ calibrates on: it goes with --method gptq")
+        if not os.path.isfile(args.calibration):
+            raise ValueError(f"--calibration {args.calibration}: file not found")
     if fmt == "gguf" and (args.tied is not None or args.embeddings):
         raise ValueError("--tied and --embeddings go with --format hf or fewbits: for GGUF the recipe gives the "
                          "token embedding its type (and llama.cpp reads a tied output layer from it)")
@@ -1319,39 +1324,35 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 @contextlib.contextmanager
 def _third_party_quiet(enabled: bool):
-    """--quiet: no progress bars or warnings from the libraries fewbits calls (transformers'
-    logging and bars, huggingface_hub's and tqdm's bars, Python warnings) while the command runs;
-    errors still show. Restored afterwards (the command may run inside a longer process)."""
+    """--quiet: no progress bars or warnings from the libraries fewbits calls (tqdm's bars, which
+    transformers' and huggingface_hub's are; transformers' logging; Python warnings; the root
+    logger below ERROR) while the command runs; errors still show. Everything is restored
+    afterwards, since the command may run inside a longer process."""
     if not enabled:
         yield
         return
+    import functools
     import logging
     import warnings
 
     undo = []
-    saved_env = {k: os.environ.get(k) for k in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
-                                                "TQDM_DISABLE")}
-    os.environ.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
-    undo.append(lambda: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-                         for k, v in saved_env.items()])
     try:
         import tqdm.std
     except ImportError:
         pass
     else:
-        import functools
-
-        init = tqdm.std.tqdm.__init__
+        init = tqdm.std.tqdm.__init__  # subclasses (tqdm.auto, transformers' bars) inherit the default
         tqdm.std.tqdm.__init__ = functools.partialmethod(init, disable=True)
         undo.append(lambda: setattr(tqdm.std.tqdm, "__init__", init))
-    if "transformers" in sys.modules:  # imported already: its settings were read; set them
+    had_transformers = "transformers" in sys.modules
+    saved_verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers is first imported
+    if had_transformers:
         from transformers.utils import logging as hf_logging
 
-        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        undo.append(lambda: (hf_logging.set_verbosity(level),
-                             hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()))
+        undo.append(lambda: hf_logging.set_verbosity(level))
     root = logging.getLogger()
     root_level = root.level
     root.setLevel(max(root_level, logging.ERROR))
@@ -1363,6 +1364,14 @@ def _third_party_quiet(enabled: bool):
     finally:
         for u in reversed(undo):
             u()
+        if saved_verbosity is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved_verbosity
+        if not had_transformers and "transformers.utils.logging" in sys.modules:  # imported during the command
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity(hf_logging._get_default_logging_level())  # noqa: SLF001 - as at import
 
 
 def _quiet_library_loggers() -> None:
