@@ -660,8 +660,8 @@ def _check_prompt(prompt: str) -> None:
     except UnicodeEncodeError as e:
         bad = prompt[e.start:e.end]
         shown = ", ".join(f"0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"U+{ord(c):04X}" for c in bad)
-        raise ValueError(f"--prompt is not valid UTF-8 text: {shown} at character {e.start} (pass the prompt "
-                         "in UTF-8)") from None
+        raise ValueError(f"--prompt is not valid UTF-8 text: the byte{'s' if len(bad) > 1 else ''} {shown} at "
+                         f"character {e.start} (give the prompt in UTF-8)") from None
 
 
 def _refuse_requantizing(model: str, scheme: str, loaded=None) -> None:
@@ -726,7 +726,8 @@ def cmd_generate(args, out) -> int:
         _refuse_requantizing(what, scheme, model)
         say(f"quantizing to {scheme} ...")
         quantize_model(model, scheme, tied="untie")
-    decoder = LlamaDecoder(model, path=args.path)
+    # without --threads, the count that runs fastest now (a busy machine's cores make 2 threads slower than 1)
+    decoder = LlamaDecoder(model, path=args.path, threads=None if args.threads is not None else "auto")
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt")
@@ -744,7 +745,8 @@ def cmd_generate(args, out) -> int:
     whole = tokenizer.decode(torch.cat([ids[0], result.tokens[0]]), skip_special_tokens=True)
     text = whole[len(before):] if whole.startswith(before) else tokenizer.decode(result.tokens[0],
                                                                                  skip_special_tokens=True)
-    info = {"model": what, "scheme": scheme, "path": decoder.last_path, "threads": torch.get_num_threads(),
+    used = decoder.last_threads or {torch.get_num_threads(): 0}  # {threads: decode steps run at it}
+    info = {"model": what, "scheme": scheme, "path": decoder.last_path, "threads": max(used, key=used.get),
             "prompt": args.prompt, "text": text, "prompt_tokens": result.prompt_tokens,
             "new_tokens": int(result.tokens.shape[1]), "prefill_tokens_per_s": result.prefill_tokens_per_s,
             "decode_tokens_per_s": result.decode_tokens_per_s,
@@ -1211,7 +1213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", choices=DECODE_PATHS, default="auto",
                    help="decode path: native (one C call per token; an error if it cannot run), torch "
                         "(transformers' logits bit for bit), auto (native where it can run; default)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's count, or fewer while other "
+                                               "processes keep the cores busy, measured as it decodes)")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_generate)
