@@ -139,3 +139,102 @@ def test_the_token_buffer_grows_with_what_is_generated():
                                DynamicCache(config=model.config), stop=frozenset([eos]))
     assert out.tokens.shape[1] <= 3
     assert all(s[-1] < 10 ** 6 for s in seen if s and isinstance(s[-1], int))
+
+
+# ---------------------------------------------------------------------------------------------
+# threads="auto": the thread count chosen by measuring, the tokens unchanged
+# ---------------------------------------------------------------------------------------------
+def _feed(chooser, step_seconds: dict, steps: int) -> list[int]:
+    """Run `steps` steps through the chooser, each taking step_seconds[threads]; the counts used."""
+    used = []
+    for _ in range(steps):
+        threads = chooser.next()
+        used.append(threads)
+        chooser.done(threads, step_seconds[threads])
+    return used
+
+
+def test_the_chooser_moves_to_the_count_that_runs_faster_and_back():
+    from fewbits.models.decoder import _ThreadChooser
+
+    before = torch.get_num_threads()
+    try:
+        chooser = _ThreadChooser(2, 2)
+        # busy cores: two threads take 0.5 s a step, one 0.02 s
+        used = _feed(chooser, {2: 0.5, 1: 0.02}, 400)
+        assert chooser.current == 1 and used[-50:] == [1] * 50
+        slow = sum(0.5 for t in used if t == 2)
+        assert slow <= 0.5 * 6  # the first steps and one probe, not more
+        # the load goes: two threads take 0.01 s; a later probe finds it
+        used = _feed(chooser, {2: 0.01, 1: 0.02}, 4000)
+        assert chooser.current == 2 and used[-50:] == [2] * 50
+        # probing costs little: the slower count runs a few percent of the steps at most
+        used = _feed(chooser, {2: 0.01, 1: 0.02}, 4000)
+        assert used.count(1) < 0.05 * len(used)
+        # other work comes: the steps at two threads become slow; fewer threads are tried at once
+        _feed(chooser, {2: 0.01, 1: 0.02}, 100)
+        used = _feed(chooser, {2: 0.5, 1: 0.02}, 200)
+        assert chooser.current == 1 and used.count(2) <= 6
+        # slower, but still the faster count: it stays, without probing at every step
+        chooser = _ThreadChooser(2, 2)
+        _feed(chooser, {2: 0.01, 1: 0.02}, 200)
+        used = _feed(chooser, {2: 0.05, 1: 0.1}, 2000)
+        assert chooser.current == 2 and used.count(1) < 0.05 * len(used)
+        # noise within SWITCH does not move it
+        assert set(_feed(_ThreadChooser(2, 2), {2: 0.010, 1: 0.0095}, 2000)) >= {2}
+        assert _ThreadChooser(2, 2).current == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("start", [1, 2])
+def test_auto_threads_give_the_same_tokens_on_the_native_path(monkeypatch, start):
+    from fewbits.models import decoder as decoder_module
+
+    model = _model()
+    fb.quantize_model(model, "int4_g32")
+    prompt = _prompt(5, 7)
+    before = torch.get_num_threads()
+    fixed = LlamaDecoder(model, threads=1).generate(prompt, 60).tokens
+    monkeypatch.setattr(decoder_module, "threads_for_load", lambda threads=None, window=0.1: min(start, threads))
+    monkeypatch.setattr(decoder_module._ThreadChooser, "BUDGET", 0.0)  # probe all the time: counts alternate
+    torch.set_num_threads(2)
+    try:
+        dec = LlamaDecoder(model, threads="auto")
+        got = dec.generate(prompt, 60)
+        assert torch.get_num_threads() == 2  # torch's count restored
+    finally:
+        torch.set_num_threads(before)
+    if dec.last_path != "native":
+        pytest.skip("no native decode step here")
+    assert torch.equal(got.tokens, fixed)
+    assert sum(dec.last_threads.values()) == 59 and set(dec.last_threads) == {1, 2}
+
+
+def test_auto_threads_on_the_torch_path_choose_once_and_restore(monkeypatch):
+    from fewbits.models import decoder as decoder_module
+
+    model = _model()
+    before = torch.get_num_threads()
+    monkeypatch.setattr(decoder_module, "threads_for_load", lambda threads=None, window=0.1: 1)
+    dec = LlamaDecoder(model, path="torch", threads="auto")
+    got = dec.generate(_prompt(2, 6), 12)
+    assert dec.last_threads == {1: 11} and torch.get_num_threads() == before
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(got.tokens, greedy_generate(model, _prompt(2, 6), 12).tokens)
+    finally:
+        torch.set_num_threads(before)
+    assert LlamaDecoder(model, threads=None).threads is None
+    for bad in (0, -1, True, "many", 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            LlamaDecoder(model, threads=bad)
+
+
+def test_the_load_measure_is_a_count_of_cpus():
+    from fewbits.models.decoder import busy_elsewhere, threads_for_load
+
+    busy = busy_elsewhere(0.02)
+    assert busy is None or busy >= 0.0
+    assert 1 <= threads_for_load(2, window=0.02) <= 2
+    assert threads_for_load(1, window=0.02) == 1

@@ -38,7 +38,11 @@ new weights) is always run as it is now.
 from __future__ import annotations
 
 import operator
+import os
+import statistics
 import threading
+import time
+from collections import Counter, deque
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +116,157 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def busy_elsewhere(window: float = 0.1) -> float | None:
+    """How many CPUs' worth of work other processes did, over `window` seconds, on the CPUs this
+    process may run on (/proc/stat's busy time of those CPUs less this process's own CPU time),
+    or None where /proc/stat cannot tell (not Linux)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+    def sample():
+        busy = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3:4].isdigit():
+                    name, *fields = line.split()
+                    if int(name[3:]) in cpus:
+                        values = [int(v) for v in fields[:8]]
+                        busy += sum(values) - values[3] - values[4]  # all but idle and iowait
+        own = os.times()
+        return busy, own.user + own.system, time.monotonic()
+
+    try:
+        b0, own0, t0 = sample()
+        time.sleep(window)
+        b1, own1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, ((b1 - b0) / ticks - (own1 - own0)) / (t1 - t0))
+
+
+def threads_for_load(threads: int | None = None, window: float = 0.1) -> int:
+    """The number of threads (at most `threads`, by default torch's count) that the CPUs left
+    idle by other processes can run: the CPUs this process may use less the work of others
+    measured over `window` seconds (busy_elsewhere), rounded, at least 1; `threads` where the
+    load cannot be measured."""
+    threads = torch.get_num_threads() if threads is None else threads
+    others = busy_elsewhere(window)
+    if others is None:
+        return threads
+    free = len(os.sched_getaffinity(0)) - others
+    return max(1, min(threads, int(free + 0.5)))
+
+
+class _ThreadChooser:
+    """The thread count of each native decode step under threads="auto": the candidates are
+    torch's count, 1 and (from 4 threads) half of it; it starts at the count the load allows
+    (threads_for_load) and from time to time runs a few steps at another candidate (a probe),
+    moving to it when its steps are clearly faster (SWITCH).
+
+    When to probe: a count is probed once the time spent at the current count since its last
+    probe is BUDGET times what a probe of it costs (its last measured step time x the probe's
+    steps), so probing costs a few percent at most. Before it was ever measured, a count below
+    the current one is probed at once (fewer threads cost at most a few steps), one above the
+    start is taken to be as slow as the load said (CONTENDED x the current steps); and when the
+    current count's steps become DEGRADED times slower than they were (other work came), the
+    counts below it are probed at once. A probe step slower than twice the current steps ends the
+    probe there, the first step after a change of count (a new team of threads) included.
+
+    Steps of the same token give the same logits whatever the count (decode.c splits work across
+    threads, never a reduction), so the choice changes speed only."""
+
+    WARM, MEASURE, RECENT, BUDGET, SWITCH, CONTENDED, DEGRADED = 1, 3, 8, 20.0, 0.85, 10.0, 3.0
+
+    def __init__(self, threads: int, start: int, clock=time.perf_counter):
+        candidates = {threads, 1, start} | ({threads // 2} if threads >= 4 else set())
+        self.candidates = sorted(candidates, reverse=True)
+        self.current = self.active = self.start = start
+        self.recent = {c: deque(maxlen=self.RECENT) for c in self.candidates}
+        self.cost: dict[int, float] = {}  # the last measured seconds of a step of each candidate
+        self.best: dict[int, float] = {}  # the fastest median step time seen at each count
+        self.since = {c: 0.0 for c in self.candidates}  # seconds at the current count since c's last probe
+        self.probe: int | None = None
+        self.probe_times: list[float] = []
+        self.fresh = True
+        self.steps: Counter = Counter()
+        self.clock = clock
+        torch.set_num_threads(start)
+
+    def _current_step(self) -> float | None:
+        times = self.recent[self.current]
+        return statistics.median(times) if len(times) >= 4 else None
+
+    def _probe_cost(self, c: int, now: float) -> float:
+        if c in self.cost:
+            return (self.WARM + self.MEASURE) * self.cost[c]
+        if c < self.current:
+            return 0.0
+        return (self.WARM + self.MEASURE) * now * (self.CONTENDED if c > self.start else 1.0)
+
+    def next(self) -> int:
+        """The thread count for the next step (set in torch)."""
+        if self.probe is None:
+            now = self._current_step()
+            if now is not None:
+                best = self.best[self.current] = min(now, self.best.get(self.current, now))
+                degraded = now > self.DEGRADED * best
+                for c in self.candidates:
+                    if c != self.current and ((degraded and c < self.current)
+                                              or self.since[c] >= self.BUDGET * self._probe_cost(c, now)):
+                        self.probe, self.probe_times = c, []
+                        break
+        want = self.current if self.probe is None else self.probe
+        if want != self.active:
+            torch.set_num_threads(want)
+            self.active, self.fresh = want, True
+        return want
+
+    def done(self, threads: int, seconds: float) -> None:
+        """Record the step just run at `threads` threads, which took `seconds`."""
+        self.steps[threads] += 1
+        fresh, self.fresh = self.fresh, False
+        if self.probe is None:
+            if not fresh:
+                self.recent[threads].append(seconds)
+            for c in self.since:
+                if c != threads:
+                    self.since[c] += seconds
+            return
+        now = self._current_step()
+        if fresh and seconds <= 2 * now:
+            return
+        self.probe_times.append(seconds)
+        if len(self.probe_times) < self.MEASURE and seconds <= 2 * now:
+            return
+        took = statistics.median(self.probe_times)
+        self.cost[threads] = took
+        self.since[threads] = 0.0
+        self.probe = None
+        if took < self.SWITCH * now:
+            self.cost[self.current] = now
+            self.since[self.current] = 0.0
+            self.current = threads
+            self.recent[threads].clear()
+            self.recent[threads].extend(self.probe_times)
+        else:
+            self.best[self.current] = now  # the current count stays: its speed now is the one to keep
+
+    def wrap(self, forward):
+        """forward, each single-token step of it run at the chosen count and timed."""
+        def step(ids, position_ids, cache):
+            if ids.shape[1] != 1:
+                return forward(ids, position_ids, cache)
+            threads = self.next()
+            t0 = self.clock()
+            logits = forward(ids, position_ids, cache)
+            self.done(threads, self.clock() - t0)
+            return logits
+        return step
+
+
 class LlamaDecoder:
     """Greedy generation through a written-out forward and a preallocated KV cache (see the module).
 
@@ -125,16 +280,33 @@ class LlamaDecoder:
     before to finish, and gets the tokens a serial run gives; its timing starts once it runs).
     For generations that run at the same time, give each thread a LlamaDecoder of its own over
     the same model: each has its own cache. `last_path` is the path of the last call to finish.
+
+    threads: the torch threads generate() runs with. None (the default): torch's count as it is
+    (torch.set_num_threads). An int: that count, for the call only. "auto": the count that runs
+    fastest now, for machines shared with other work, where a parallel region waits for a thread
+    that another process holds off its core (on a busy 2-core machine SmolLM2 int4 decoded at
+    0.4-3.7 tokens/s at 2 threads against 32-88 at 1). On the native path each decode step's
+    count is chosen by measuring the steps as they run (see _ThreadChooser): its logits do not
+    depend on the count, so only the speed changes. On the torch path, where torch's reductions
+    may round differently at another count, the count is chosen once per generate() from the load
+    of the CPUs (threads_for_load) and kept for the whole generation. The count torch had is
+    restored after the call; `last_threads` says which counts ran how many decode steps.
     """
 
-    def __init__(self, model, path: str = "auto"):
+    def __init__(self, model, path: str = "auto", threads: int | str | None = None):
         require_modules("LlamaDecoder", ("transformers",), TRANSFORMERS_HINT)
         if path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+        if not (threads is None or threads == "auto"
+                or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1)):
+            raise ValueError(f"threads must be None, 'auto' or a positive int, got {threads!r}")
         self.model = model
         self.path = path
+        self.threads = threads
+        self.last_threads: dict | None = None  # {thread count: decode steps run at it} of the last generate()
         self._parts()  # refuse an unsupported model now, not at the first generate()
         self._k = self._v = None
+        self._native = False
         self._lock = threading.Lock()  # one generation at a time over the one cache
         self.last_path: str | None = None  # the path the last generate() decoded with
 
@@ -245,6 +417,7 @@ class LlamaDecoder:
             return head(_rms_norm(h[:, -1:], norm))
 
         self.last_path = "torch"
+        self._native = native_layers is not None
         if native_layers is None:
             return forward
         step = native.DecodeStep(native.library(), native_layers, norm.weight.detach().to(torch.float32),
@@ -317,7 +490,22 @@ class LlamaDecoder:
         stop = frozenset(_token_ids(stop))
         with self._lock:
             forward = self._forward(input_ids, max_new_tokens)
-            return _loop(forward, input_ids, max_new_tokens, None, stop=stop)
+            before = torch.get_num_threads()
+            chooser = None
+            try:
+                if self.threads == "auto" and self._native:
+                    chooser = _ThreadChooser(before, threads_for_load(before))
+                    forward = chooser.wrap(forward)
+                elif self.threads is not None:
+                    torch.set_num_threads(threads_for_load(before) if self.threads == "auto" else self.threads)
+                threads = torch.get_num_threads()
+                result = _loop(forward, input_ids, max_new_tokens, None, stop=stop)
+            finally:
+                if torch.get_num_threads() != before:
+                    torch.set_num_threads(before)
+            self.last_threads = (dict(chooser.steps) if chooser is not None
+                                 else {threads: result.decode_steps} if result.decode_steps else {})
+            return result
 
     def step_logits(self, input_ids: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """The logits (1, 1, vocab) of the prompt's last position, then of each of tokens (1, n)
