@@ -122,13 +122,22 @@ def test_smollm2s_q4_k_fallback_is_counted_and_explained():
            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
            "max_position_embeddings": 8192, "tie_word_embeddings": True}
     types = gguf_recipe_types("q4_k", cfg)
-    assert Counter(t for t, _ in types.values()) == {"Q5_0": 181, "Q4_K": 30}
+    assert Counter(c.type for c in types.values()) == {"Q5_0": 181, "Q4_K": 30}
     text = written_types_text(written_types({"Q5_0": 181, "Q4_K": 30, "F32": 61}, types))
     assert text == ("Q5_0 ×181 (rows of 576 are not a multiple of Q4_K's 256: llama.cpp's fallback), "
                     "F32 ×61 (norms and other vectors), Q4_K ×30")
-    mixed = written_types({"Q5_0": 150, "Q8_0": 31, "Q4_K": 17, "Q6_K": 13, "F32": 61},
-                          gguf_recipe_types("q4_k_m", cfg))
-    assert "q4_k_m's output layer" in {r["type"]: r for r in mixed}["Q8_0"]["why"]
+    q4km = gguf_recipe_types("q4_k_m", cfg)
+    counts = Counter(c.type for c in q4km.values())
+    assert counts == {"Q5_0": 166, "Q4_K": 16, "Q8_0": 15, "Q6_K": 14}  # attn_v, ffn_down: 14 layers more
+    mixed = {r["type"]: r["why"] for r in written_types(dict(counts, F32=61), q4km)}
+    assert mixed["Q8_0"] == ("q4_k_m's output layer ×1, q4_k_m's more bits for attn_v and ffn_down of some "
+                             "layers ×14; rows of 576 are not a multiple of Q6_K's 256: llama.cpp's fallback")
+    assert mixed["Q6_K"] == "q4_k_m's more bits for attn_v and ffn_down of some layers"
+    kept = gguf_recipe_types("q4_0", dict(cfg, intermediate_size=1544))  # 1544 = 48 * 32 + 8
+    assert kept["model.layers.0.mlp.down_proj"].type is None
+    text = written_types_text(written_types({"Q4_0": 181, "F32": 91}, kept))
+    assert text == ("Q4_0 ×181, F32 ×91 (norms and other vectors; 30 matrices kept in float: rows of 1544 are not "
+                    "a multiple of Q4_0's 32: no type of the recipe fits)")
 
 
 # --- 3. checks before reading the model ------------------------------------------------------------

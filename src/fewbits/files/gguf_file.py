@@ -92,6 +92,7 @@ import json
 import math
 import os
 import tempfile
+import typing
 from collections import Counter
 from collections.abc import Mapping
 
@@ -227,35 +228,41 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> tuple[str | None, str | None]:
-    """(the GGML type module m gets, None for float; why it is not the recipe's own type, or None)."""
+class RecipeChoice(typing.NamedTuple):
+    """One module's type under a llama.cpp recipe (gguf_recipe_types): the GGML type written (None:
+    kept in float, or not written); the mix's rule that chose a type other than the recipe's own
+    (None: no rule); the type the row length did not fit (None: it fitted) -- llama.cpp then falls
+    back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) or the tensor stays in float -- with that
+    type's block, and the row length."""
+    type: str | None
+    rule: str | None
+    unfit: str | None
+    unfit_block: int | None
+    row: int
+
+
+def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> RecipeChoice:
+    rule = None
     if recipe in UNIFORM_RECIPES:
         t = recipe.upper()
-        why = None
     else:
         base = MIXED_RECIPES[recipe]
-        t, why = base, None
+        t = base
         if m.category == "output" or (m.category == "token_embd" and tied):
-            if m.row % _block(base):
-                t, why = "Q8_0", f"{recipe}'s output layer, rows of {m.row} not a multiple of {_block(base)}"
-            else:
-                t, why = "Q6_K", f"{recipe}'s output layer"
+            t, rule = "Q6_K", f"{recipe}'s output layer"  # llama.cpp: Q8_0 where the row does not fit Q6_K
         elif m.category in ("attn_v", "ffn_down") and recipe in ("q4_k_m", "q5_k_m"):
             if _use_more_bits(m.layer, n_layers):
-                t, why = "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
+                t, rule = "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
         elif m.category == "attn_v" and recipe == "q4_k_s" and m.layer < 4:
-            t, why = "Q5_K", f"{recipe}'s more bits for attn_v of the first 4 layers"
+            t, rule = "Q5_K", f"{recipe}'s more bits for attn_v of the first 4 layers"
         elif m.category == "ffn_down" and recipe == "q4_k_s" and m.layer < n_layers // 8:
-            t, why = "Q5_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
+            t, rule = "Q5_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
     if m.row % _block(t):
-        wanted = t
-        t = _FALLBACK.get(wanted)
-        if t is None or m.row % _block(t):
-            return None, (f"rows of {m.row} are not a multiple of {wanted}'s {_block(wanted)}"
-                          + (f" nor of {t}'s {_block(t)}" if t is not None else "") + ": kept in float")
-        why = (f"{why}; " if why else "") + (f"rows of {m.row} are not a multiple of {wanted}'s "
-                                              f"{_block(wanted)}: llama.cpp's fallback")
-    return t, why
+        wanted, t = t, _FALLBACK.get(t)
+        if t is not None and m.row % _block(t):
+            t = None
+        return RecipeChoice(t, rule, wanted, _block(wanted), m.row)
+    return RecipeChoice(t, rule, None, None, m.row)
 
 
 def _scheme_of(type_name: str) -> str:
@@ -271,13 +278,12 @@ def gguf_recipe(name: str, config) -> dict[str, str | None]:
     "q5_k_m") on a model with this config (LlamaForCausalLM or BertModel): every Linear and the
     token embedding (for a tied model the embedding stands for the output too). See the module
     docstring for the rules and their differences from llama.cpp."""
-    return {m: None if t is None else _scheme_of(t) for m, (t, _) in gguf_recipe_types(name, config).items()}
+    return {m: None if c.type is None else _scheme_of(c.type) for m, c in gguf_recipe_types(name, config).items()}
 
 
-def gguf_recipe_types(name: str, config) -> dict[str, tuple[str | None, str | None]]:
-    """gguf_recipe with its reasons: {module name: (GGML type, or None for float; why the module
-    does not get the recipe's own type -- a mix's rule, llama.cpp's fallback for its row length --
-    or None where it does)}."""
+def gguf_recipe_types(name: str, config) -> dict[str, RecipeChoice]:
+    """gguf_recipe with its reasons: {module name: RecipeChoice} -- the GGML type (None for float),
+    the mix's rule and the row length that chose it where it is not the recipe's own."""
     if not isinstance(name, str) or name.lower() not in RECIPES:
         raise ValueError(f"unknown GGUF recipe {name!r}; recipes: {', '.join(RECIPES)}")
     recipe = name.lower()
@@ -287,7 +293,7 @@ def gguf_recipe_types(name: str, config) -> dict[str, tuple[str | None, str | No
     out = {}
     for m in _modules(cfg, arch):
         if m.category == "pooler":
-            out[m.name] = (None, "BERT's pooler is not written")
+            out[m.name] = RecipeChoice(None, "BERT's pooler is not written", None, None, m.row)
         else:
             out[m.name] = _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"])
     return out

@@ -277,29 +277,45 @@ _FLOAT_GGML = ("F32", "F16", "BF16", "F64")
 
 def written_types(types: dict, recipe_types: dict | None = None) -> list[dict]:
     """The GGML types a GGUF conversion wrote, most tensors first: [{"type", "count", "why"}],
-    `types` as GGUFSummary.types ({type: tensor count}); `why` (or None) from the recipe's
-    reasons (conversion_plan's "types"): a mix's rule, llama.cpp's fallback for a row length,
-    a matrix kept in float; float tensors that are no quantizable module are vectors (norms)."""
-    rows = []
-    planned = list((recipe_types or {}).values())
-    kept = Counter(why for t, why in planned if t is None and why)
+    `types` as GGUFSummary.types ({type: tensor count}); `why` (or None) from the recipe's choices
+    (conversion_plan's "types", gguf_file.RecipeChoice): a mix's rule, a row length that is not a
+    multiple of the type's block (llama.cpp's fallback, or a matrix kept in float); float tensors
+    that are no quantizable module are vectors (norms)."""
+    choices = list((recipe_types or {}).values())
     floats = [t for t in types if t in _FLOAT_GGML]
+    rows = []
     for t, n in sorted(types.items(), key=lambda kv: (-kv[1], kv[0])):
         if t in _FLOAT_GGML:
+            kept = [c for c in choices if c.type is None and c.unfit is not None]
+            where = "" if len(floats) == 1 else " (as " + "/".join(floats) + ")"
             parts = ["norms and other vectors"]
             if kept:
-                where = "" if len(floats) == 1 else " (in one of " + "/".join(floats) + ")"
-                parts += [f"{c} {'matrix' if c == 1 else 'matrices'}{where}: {w}" for w, c in kept.items()]
+                parts.append(f"{len(kept)} {'matrix' if len(kept) == 1 else 'matrices'}{where} kept in float: "
+                             + _unfit_text(kept, "no type of the recipe fits"))
             why = "; ".join(parts)
         else:
-            reasons = Counter(why for pt, why in planned if pt == t and why)
-            plain = sum(1 for pt, why in planned if pt == t and not why)
-            if len(reasons) == 1 and not plain:
-                why = next(iter(reasons))
-            else:
-                why = "; ".join(f"{c}: {w}" for w, c in reasons.items()) or None
+            mine = [c for c in choices if c.type == t]
+            ruled = Counter(c.rule for c in mine if c.rule)
+            parts = []
+            if ruled:
+                several = len(ruled) > 1 or len(ruled) < len(set(c.rule for c in mine))
+                parts.append(", ".join(f"{r} ×{k}" if several else r for r, k in ruled.items()))
+            unfit = [c for c in mine if c.unfit]
+            if unfit:
+                parts.append(_unfit_text(unfit, "llama.cpp's fallback")
+                             + (f" (×{len(unfit)})" if len(unfit) < len(mine) else ""))
+            why = "; ".join(parts) or None
         rows.append({"type": t, "count": n, "why": why})
     return rows
+
+
+def _unfit_text(choices, outcome: str) -> str:
+    """'rows of 64 and 128 are not a multiple of Q4_K's 256: llama.cpp's fallback'."""
+    by_type: dict = {}
+    for c in choices:
+        by_type.setdefault((c.unfit, c.unfit_block), set()).add(c.row)
+    return "; ".join(f"rows of {' and '.join(map(str, sorted(r)))} are not a multiple of {u}'s {b}: {outcome}"
+                     for (u, b), r in by_type.items())
 
 
 def written_types_text(rows: list[dict]) -> str:
