@@ -238,3 +238,43 @@ def test_the_load_measure_is_a_count_of_cpus():
     assert busy is None or busy >= 0.0
     assert 1 <= threads_for_load(2, window=0.02) <= 2
     assert threads_for_load(1, window=0.02) == 1
+
+
+def test_fewbits_generate_refuses_a_cache_past_memory_and_runs_a_normal_one(tmp_path):
+    # was: `fewbits generate` on a model whose config allows 2^31 positions, with
+    # --max-new-tokens 1000000000, went to allocate hundreds of gigabytes
+    import contextlib
+    import io
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fewbits.cli import main
+    from fewbits.models import synthetic_llama_config, write_synthetic_llama
+
+    path = tmp_path / "m"
+    write_synthetic_llama(path, synthetic_llama_config("135m", hidden_size=64, intermediate_size=128,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       num_key_value_heads=2, vocab_size=384,
+                                                       max_position_embeddings=2 ** 31))
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+
+    def run(*argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["generate", str(path), "--prompt", "the", "--quiet", *argv])
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = run("--max-new-tokens", "1000000000")
+    assert rc == 2 and "memory" in err and "max_new_tokens=1000000000" in err and "unexpected" not in err
+    before = torch.get_num_threads()
+    rc, out, err = run("--max-new-tokens", "6", "--no-stop", "--json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["new_tokens"] == 6 and 1 <= info["threads"] <= before
+    assert torch.get_num_threads() == before  # threads="auto" leaves torch's count as it was
