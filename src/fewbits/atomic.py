@@ -38,7 +38,9 @@ class ConcurrentWriteError(BlockingIOError):
 # inode, whatever path reaches it) and file name, removed by their holder at the end, and a lock
 # file left by a killed writer (the kernel drops its lock) is taken by the next writer.
 # Reentrant within a thread (a conversion that stages beside its output and then writes it);
-# another thread of the same process is refused like another process.
+# another thread of the same process is refused like another process. The directory is under
+# tempfile.gettempdir(): writers that see different temporary directories (another TMPDIR, another
+# container or machine sharing the target's file system) do not see each other's locks.
 _held: dict[str, list] = {}  # lock file -> [fd, owning thread, depth]
 _held_guard = threading.Lock()
 
