@@ -288,7 +288,8 @@ def test_quiet_silences_warnings_and_library_logging_and_restores_them(capsys):
             assert not library.isEnabledFor(logging.WARNING)
             assert not logging.getLogger("somelib").isEnabledFor(logging.WARNING)
             list(tqdm(range(3), desc="a bar"))
-        assert caught == []
+            exec(compile("import warnings; warnings.warn('fewbits: news')", "x", "exec"), {"__name__": "fewbits.x"})
+        assert [str(w.message) for w in caught] == ["fewbits: news"]  # fewbits' own warnings still show
     assert capsys.readouterr().err == ""
     assert hf_logging.get_verbosity() == level and library.isEnabledFor(logging.WARNING)
     list(tqdm(range(3), desc="a bar"))

@@ -1328,9 +1328,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 @contextlib.contextmanager
 def _third_party_quiet(enabled: bool):
     """--quiet: no progress bars or warnings from the libraries fewbits calls (tqdm's bars, which
-    transformers' and huggingface_hub's are; transformers' logging; Python warnings; the root
-    logger below ERROR) while the command runs; errors still show. Everything is restored
-    afterwards, since the command may run inside a longer process."""
+    transformers' and huggingface_hub's are; transformers' logging; Python warnings other than
+    fewbits' own; the root logger below ERROR) while the command runs; errors still show.
+    Everything is restored afterwards, since the command may run inside a longer process."""
     if not enabled:
         yield
         return
@@ -1363,6 +1363,7 @@ def _third_party_quiet(enabled: bool):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", module=r"fewbits(\.|$)")  # fewbits' own: news for the user
             yield
     finally:
         for u in reversed(undo):
