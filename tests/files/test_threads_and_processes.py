@@ -64,6 +64,8 @@ def _together(fns) -> list:
 def _tensors(out: str) -> dict:
     from safetensors.torch import load_file
 
+    if out.endswith(".safetensors"):  # a fewbits file: its tensors
+        return load_file(out)
     if os.path.isfile(out):  # a GGUF file: its tensors' bytes
         return {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(out).tensors}
     found = {}
@@ -77,7 +79,8 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("fmt,scheme,suffix", [("hf", "int8", ""), ("gguf", "q8_0", ".gguf")])
+@pytest.mark.parametrize("fmt,scheme,suffix", [("hf", "int8", ""), ("gguf", "q8_0", ".gguf"),
+                                               ("fewbits", "int8", ".safetensors")])
 def test_threaded_conversions_each_write_a_correct_output(llama, tmp_path, fmt, scheme, suffix):
     reference = str(tmp_path / f"serial{suffix}")
     convert(llama, reference, scheme, format=fmt)

@@ -32,6 +32,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..model_building import building
 from .hf_dir import CONFIG_NAME, model_class, read_tensors
 from .safetensors_format import FileFormatError
 
@@ -120,8 +121,9 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
     except ValueError as e:
         raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME), str(e)) from None
     device_map = {"": str(torch.device(device))}
-    return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
-                               device_map=device_map).eval()
+    with building():  # transformers' construction changes process-wide state: one at a time
+        return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
+                                   device_map=device_map).eval()
 
 
 def _from_gguf(path, *, device, dtype) -> nn.Module:
