@@ -398,3 +398,14 @@ def test_cli_errors(capsys, argv, message):
     code, out, err = run(capsys, "memory", *argv)
     assert code == 2 and out == ""
     assert err.startswith("fewbits memory: error:") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_measuring_on_a_cpu_prints_no_profiler_lines(capfd):
+    """torch's profiler (kineto) printed 'USDT: ... profiler_start/stop' on fd 2 at every
+    measurement, into whatever command measured (not only the study)."""
+    from fewbits.memory.measure import measure_peak_memory
+
+    result, measured = measure_peak_memory(lambda: torch.randn(1000, 100) + 1)
+    assert measured.peak >= 400_000 and result.shape == (1000, 100)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err, err

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..formats import get_format, torch_dtype
+from ..progress import quiet_native_stderr
 from ..train import Engine
 from .architecture import describe_model
 from .estimate import RUNTIMES
@@ -68,7 +69,8 @@ def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str 
     from torch.profiler import ProfilerActivity, profile
 
     baseline = tensor_bytes(*held) if held else 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # kineto prints a 'USDT: ... profiler_start' / 'profiler_stop' pair on fd 2 per profile
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = []
     stack = [(node, "") for node in prof.profiler.kineto_results.experimental_event_tree()]

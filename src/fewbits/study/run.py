@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
-from ..progress import Every, Lines, quiet_native_stderr
+from ..progress import Every, Lines
 from .report import write_report
 
 PARTS = ("formats", "memory", "speed", "quant", "train")
@@ -269,9 +269,7 @@ def part_memory(ctx: StudyContext) -> PartOutput:
             measured = None
             if s in MEASURED_SCHEMES and (avail is None or est.total < 0.5 * avail):
                 ctx.say(f"memory: {subject.name} inference, {s}: measuring")
-                with quiet_native_stderr():  # torch's profiler prints 'USDT: ... profiler_start' lines
-                    measured = measure_inference(copy.deepcopy(subject.model), _memory_inputs(subject, False),
-                                                 scheme=s)
+                measured = measure_inference(copy.deepcopy(subject.model), _memory_inputs(subject, False), scheme=s)
             inf_rows.append(_memory_row(s, est, measured))
         for p in MEMORY_POLICIES:
             est = estimate_memory(subject.model, mode="training", policy=p, batch=batch, seq_len=seq)
@@ -280,8 +278,7 @@ def part_memory(ctx: StudyContext) -> PartOutput:
                 ctx.say(f"memory: {subject.name} training step, {p}: measuring")
                 model = copy.deepcopy(subject.model)
                 try:
-                    with quiet_native_stderr():
-                        measured = measure_training_step(model, _memory_inputs(subject, True), p)
+                    measured = measure_training_step(model, _memory_inputs(subject, True), p)
                 finally:
                     del model
             train_rows.append(_memory_row(p, est, measured))
