@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -387,3 +388,74 @@ def test_generate_refuses_a_plain_directory_stating_more_layers_than_it_holds(ro
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "num_hidden_layers is 20000, but the weights hold 2 layer(s)" in proc.stderr
+
+
+# --- found by benchmarks/fuzz_files.py ---------------------------------------------------------
+@pytest.mark.parametrize("edit, match", [
+    ({"llama.block_count": ("u32", 2 ** 32 - 1)}, "block_count is 4294967295"),
+    ({"llama.feed_forward_length": ("u64", 2 ** 63)}, "feed_forward_length is 9223372036854775808"),
+    ({"llama.attention.head_count": ("u32", 64)}, "heads of 1 dimensions"),
+])
+def test_sizes_are_checked_against_the_tensors_before_anything_is_built(q4_0, tmp_path, edit, match):
+    bad = tmp_path / "size.gguf"
+    rewrite(q4_0, bad, set=edit)
+    rc, last = _load_in_subprocess(bad)
+    assert rc == 3 and re.search(match, last), last
+
+
+def test_a_vector_in_a_block_type_is_refused(q4_0, tmp_path):
+    bad = tmp_path / "vector.gguf"
+    rewrite(q4_0, bad, tensors=lambda infos: [[n, d, "Q8_0" if n == "output_norm.weight" else t, o]
+                                              for n, d, t, o in infos])
+    with pytest.raises(FileFormatError, match="output_norm.weight: a 1-D tensor in Q8_0"):
+        fb.from_pretrained(bad)
+
+
+@pytest.fixture(scope="module")
+def int4_dir(root):
+    out = root / "int4_dir"
+    fb.files.convert(_source(root, 64, 128), out, "int4")
+    return out
+
+
+def _delete(key):
+    return lambda c: c.pop(key)
+
+
+def _set(key, value):
+    return lambda c: c.update({key: value})
+
+
+def _rope(**values):
+    return lambda c: c.update({"rope_parameters": {**c["rope_parameters"], **values}})
+
+
+@pytest.mark.parametrize("edit, match", [
+    # weights the directory does not hold (transformers filled them at random)
+    (_delete("num_hidden_layers"), "num_hidden_layers|weights the directory does not hold"),
+    (_set("tie_word_embeddings", False), "does not hold: lm_head.weight"),
+    (_set("attention_bias", True), "does not hold: .*bias"),
+    (_set("architectures", ["LlamaForSequenceClassification"]), "does not hold: score.weight"),
+    # values that are no model (NaN logits, or an exception that named no file)
+    (_set("rms_norm_eps", float("nan")), "rms_norm_eps must be a finite number > 0"),
+    (_rope(rope_theta=0), "rope_theta must be a finite number > 0"),
+    (_rope(rope_type="linear", factor=-1.0), "factor must be a finite number > 0"),
+    (_set("num_hidden_layers", 2 ** 31), "num_hidden_layers must be an integer"),
+    (_set("num_attention_heads", 0), "num_attention_heads must be an integer"),
+    (_set("hidden_size", "64"), "hidden_size must be an integer"),
+    (_set("hidden_act", "nonsense"), "hidden_act 'nonsense'"),
+    (_set("dtype", "int8"), "dtype must be one of"),
+    (_set("output_hidden_states", "yes"), "output_hidden_states must be true or false"),
+    (_set("return_dict", False), "return_dict false"),
+    (_set("architectures", 7), "architectures must be a list"),
+    (_set("bos_token_id", "1"), "transformers cannot build the model it describes"),
+])
+def test_a_config_json_that_is_no_model_is_refused(int4_dir, tmp_path, edit, match):
+    bad = tmp_path / "bad"
+    shutil.copytree(int4_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    edit(cfg)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileFormatError, match=match) as e:
+        fb.from_pretrained(bad)
+    assert "config.json" in str(e.value)

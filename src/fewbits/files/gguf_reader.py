@@ -204,7 +204,7 @@ def llama_config(header: GGUFHeader) -> dict:
     hidden, rows = embed.dims
     layers = k.int("block_count")
     present = _blocks_present(header)
-    if present != set(range(layers)):
+    if len(present) != layers or max(present, default=-1) != layers - 1:  # never set(range(layers)): 2^32
         k.fail(f"llama.block_count is {layers}, but the file's tensors are of "
                f"{len(present)} block(s) numbered {min(present, default=0)}..{max(present, default=-1)}")
     if k.int("embedding_length") != hidden:
@@ -224,13 +224,25 @@ def llama_config(header: GGUFHeader) -> dict:
         head_dim = hidden // heads
     if k.int("attention.value_length", head_dim) != head_dim:
         k.fail(f"llama.attention.value_length {k.int('attention.value_length')} differs from key_length {head_dim}")
+    if head_dim < 2 or head_dim % 2:
+        k.fail(f"heads of {head_dim} dimensions (llama.embedding_length {hidden}, attention.head_count {heads}, "
+               "key_length): the rotary embedding needs an even count")
     rope_dims = k.int("rope.dimension_count", head_dim)
-    if rope_dims != head_dim or head_dim % 2:
-        k.fail(f"llama.rope.dimension_count {rope_dims}: fewbits rotates whole heads, which have {head_dim} "
-               "dimensions (an even count)")
+    if rope_dims != head_dim:
+        k.fail(f"llama.rope.dimension_count {rope_dims}: fewbits rotates whole heads, of {head_dim} dimensions "
+               "(partial rotary is not supported)")
+    ffn = k.int("feed_forward_length")
+    # the sizes the model is built with must be the tensors' own, checked before it is built
+    # (a feed_forward_length of 2^63 overflowed inside torch)
+    for name, size, what in (("blk.0.attn_q.weight", heads * head_dim, "attention.head_count x the head size"),
+                             ("blk.0.attn_k.weight", kv_heads * head_dim, "attention.head_count_kv x the head size"),
+                             ("blk.0.ffn_up.weight", ffn, "feed_forward_length")):
+        t = next((t for t in header.tensors if t.name == name), None)
+        if t is not None and t.dims[-1] != size:
+            k.fail(f"{name} has {t.dims[-1]} rows, but llama.{what} is {size}")
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": rows,
            "max_position_embeddings": k.int("context_length"), "hidden_size": hidden,
-           "num_hidden_layers": layers, "intermediate_size": k.int("feed_forward_length"),
+           "num_hidden_layers": layers, "intermediate_size": ffn,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
            "rope_theta": k.float("rope.freq_base", 10000.0), "rms_norm_eps": k.float("attention.layer_norm_rms_epsilon"),
            "tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors), "dtype": "float32"}
@@ -286,6 +298,10 @@ def read_gguf(path) -> tuple[dict, dict]:
             problems.append(f"{t.name}: shape {t.shape}, the config says {shape}")
             continue
         raw = data[t.start:t.start + t.nbytes]
+        if t.ggml_type in GGUF_BLOCK_TYPES and len(shape) != 2:
+            problems.append(f"{t.name}: a {len(shape)}-D tensor in {t.ggml_type}; fewbits reads block types for "
+                            "matrices only (vectors are F32, F16 or BF16)")
+            continue
         if t.ggml_type in _FLOATS:
             raw = raw.view(_FLOATS[t.ggml_type])
         elif t.ggml_type not in GGUF_BLOCK_TYPES:

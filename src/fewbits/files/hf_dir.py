@@ -36,6 +36,7 @@ registered transformers quantizer, fewbits.files.hf_quantizer).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -488,9 +489,82 @@ def check_layer_count(config_path: str, config: dict | None, names) -> None:
     if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
         raise FileFormatError(config_path, f"{key} must be a positive integer, got {stated!r}")
     present = {int(m.group(1)) for n in names for m in [_LAYER_INDEX.search(n)] if m is not None}
-    if present and present != set(range(stated)):
+    if present and (len(present) != stated or max(present) != stated - 1):  # not set(range(stated)): 2^31
         raise FileFormatError(config_path, f"{key} is {stated}, but the weights hold {len(present)} layer(s) "
                               f"numbered {min(present)}..{max(present)}")
+
+
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "vocab_size", "max_position_embeddings", "num_hidden_layers", "type_vocab_size")
+_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "output_hidden_states",
+          "output_attentions", "return_dict", "is_decoder", "is_encoder_decoder")
+_FLOAT_DTYPES_NAMED = ("float32", "float16", "bfloat16", "float64", "auto")
+
+
+def check_config_values(config_path: str, config: dict | None) -> None:
+    """The config.json values that size or scale the model, checked before transformers reads
+    them (which lets a NaN rms_norm_eps or a rope_theta of 0 through to NaN logits, and turns a
+    head count of 0 into a ZeroDivisionError): sizes positive integers below 2^31, the head
+    counts dividing as attention needs, epsilons, rope theta and scaling factors finite and > 0,
+    flags booleans, dtype a float dtype, hidden_act an activation transformers has. A
+    FileFormatError naming config.json; keys that are absent (or null where transformers
+    allows it) are left to transformers' defaults."""
+    if not config:
+        return
+
+    def fail(problem):
+        raise FileFormatError(config_path, problem)
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for key in _SIZES:
+        v = config.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < 2 ** 31:
+            fail(f"{key} must be an integer from 1 to 2^31 - 1, got {v!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    hidden = config.get("hidden_size")
+    if heads is not None and hidden is not None and config.get("head_dim") is None and hidden % heads:
+        fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)")
+    ropes = [config] + [config[k] for k in ("rope_parameters", "rope_scaling") if isinstance(config.get(k), dict)]
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            fail(f"{key} must be an object, got {config[key]!r}")
+    for where in ropes:
+        for key in _POSITIVE_FLOATS + ("factor",):
+            if where is config and key == "factor":
+                continue
+            v = where.get(key)
+            if v is None:
+                continue
+            if not number(v) or not math.isfinite(v) or v <= 0:
+                fail(f"{key} must be a finite number > 0, got {v!r}")
+        if where is not config and where.get("rope_type", where.get("type")) == "linear" and "factor" not in where:
+            fail("linear rope scaling needs its factor")
+    for key in _FLAGS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, bool):
+            fail(f"{key} must be true or false, got {v!r}")
+    if config.get("return_dict") is False:
+        fail("return_dict false: a model that returns tuples cannot be run by fewbits (or transformers' "
+             "generation); remove the key")
+    for key in ("dtype", "torch_dtype"):
+        v = config.get(key)
+        if v is not None and v not in _FLOAT_DTYPES_NAMED:
+            fail(f"{key} must be one of {', '.join(_FLOAT_DTYPES_NAMED)}, got {v!r}")
+    archs = config.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        fail(f"architectures must be a list of class names, got {archs!r}")
+    act = config.get("hidden_act")
+    if act is not None:
+        from transformers.activations import ACT2FN
+        if not isinstance(act, str) or act not in ACT2FN:
+            fail(f"hidden_act {act!r} is not an activation transformers has")
 
 
 class HFTensors(Mapping):
@@ -507,6 +581,7 @@ class HFTensors(Mapping):
         self.config = _read_json(config_path, "config.json") if os.path.isfile(config_path) else None
         if self.config is not None and not isinstance(self.config, dict):
             raise FileFormatError(config_path, "config.json must hold a JSON object")
+        check_config_values(config_path, self.config)
         qc = (self.config or {}).get("quantization_config")
         self.quantized = parse_quantization_config(config_path, qc) if qc is not None else {}
         self._handles: dict[str, object] = {}

@@ -122,8 +122,31 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
         raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME), str(e)) from None
     device_map = {"": str(torch.device(device))}
     with building():  # transformers' construction changes process-wide state: one at a time
-        return cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
-                                   device_map=device_map).eval()
+        try:
+            model, info = cls.from_pretrained(os.fspath(directory), dtype=dtype if dtype is not None else "auto",
+                                              device_map=device_map, output_loading_info=True)
+        except (FileFormatError, ImportError, OSError, MemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - what transformers makes of a config it cannot build
+            if not _config_error(e):
+                raise
+            raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME),
+                                  f"transformers cannot build the model it describes: {type(e).__name__}: {e}") from None
+    missing = sorted(set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
+                                                            for k in info.get("mismatched_keys") or ()})
+    if missing:  # transformers would have filled them at random
+        raise FileFormatError(os.path.join(os.fspath(directory), CONFIG_NAME),
+                              f"the model it describes has weights the directory does not hold: "
+                              f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    return model.eval()
+
+
+def _config_error(e: Exception) -> bool:
+    """Whether an exception from transformers' from_pretrained is its reaction to config.json's
+    values (a wrong type, a size of 0, an unknown name) rather than a failure of fewbits' own."""
+    kinds = (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError, OverflowError,
+             IndexError)
+    return isinstance(e, kinds) or type(e).__name__.startswith("StrictDataclass")
 
 
 def _from_gguf(path, *, device, dtype) -> nn.Module:
