@@ -126,6 +126,27 @@ def test_a_second_process_writing_the_same_file_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(atomic.fcntl is None, reason="no flock on this platform")
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_second_writer_is_refused_even_without_the_lock_files(tmp_path, monkeypatch, kind):
+    """Where this process can have no lock file (another user made the lock directory first,
+    another TMPDIR, another container), the other writer's locked temporary directory beside the
+    target still shows it: both writers reported success before."""
+    target = tmp_path / "m.gguf"
+    monkeypatch.setattr(atomic, "_lock_directory", lambda: None)
+    with _writer_in_another_process(kind, target):
+        with pytest.raises(atomic.ConcurrentWriteError, match=f"another process is writing {target}"):
+            with atomic.replacing(target) as tmp:
+                open(tmp, "w").write("second")
+        with pytest.raises(atomic.ConcurrentWriteError):
+            atomic.DirectoryReplacement(target, overwrite=True)
+    assert _leftovers(tmp_path) == []
+    with atomic.DirectoryReplacement(tmp_path / "out") as work:  # this process's own staging is no other writer
+        with atomic.replacing(tmp_path / "out") as tmp:
+            open(tmp, "w").write("x")
+        work.abort()
+
+
+@pytest.mark.skipif(atomic.fcntl is None, reason="no flock on this platform")
 def test_a_second_process_writing_the_same_directory_is_refused_even_with_overwrite(tmp_path):
     target = tmp_path / "model"
     with _writer_in_another_process("directory", target):

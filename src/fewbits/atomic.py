@@ -43,6 +43,10 @@ class ConcurrentWriteError(BlockingIOError):
 # container or machine sharing the target's file system) do not see each other's locks.
 _held: dict[str, list] = {}  # lock file -> [fd, owning thread, depth]
 _held_guard = threading.Lock()
+# The temporary directories this process holds locked, as (device, inode): a locked one of a
+# target's that is not among them belongs to a live writer elsewhere (see _remove_stale_temps),
+# whatever lock directory that writer could or could not use.
+_own_temps: set[tuple[int, int]] = set()
 
 
 def _lock_directory() -> str | None:
@@ -179,7 +183,7 @@ def replacing(path) -> Iterator[str]:
                 _remove_temp_dir(tmpdir)
         finally:
             if fd is not None:
-                os.close(fd)  # drops the lock
+                _unlock_temp(fd)
         _fsync_directory(directory)
     finally:
         _drop_writer_lock(writer)
@@ -205,11 +209,24 @@ def _locked_temp_dir(directory: str, prefix: str) -> tuple[int | None, str]:
             except OSError:  # a file system without locks: cleaners cannot lock it either, so skip it
                 return fd, tmpdir
             if _same_inode(fd, tmpdir):
+                st = os.fstat(fd)
+                with _held_guard:
+                    _own_temps.add((st.st_dev, st.st_ino))
                 return fd, tmpdir
         except BaseException:
             os.close(fd)
             _remove_temp_dir(tmpdir)
             raise
+        os.close(fd)
+
+
+def _unlock_temp(fd: int) -> None:
+    """Close the fd of a temporary directory from _locked_temp_dir (dropping its lock)."""
+    try:
+        st = os.fstat(fd)
+        with _held_guard:
+            _own_temps.discard((st.st_dev, st.st_ino))
+    finally:
         os.close(fd)
 
 
@@ -292,7 +309,7 @@ class DirectoryReplacement:
             if old_dir is not None:
                 _remove_temp_dir(old_dir, tree=True)
                 if old_fd is not None:
-                    os.close(old_fd)
+                    _unlock_temp(old_fd)
             if self.done:
                 self._release()
         _fsync_directory(self._parent)
@@ -307,7 +324,7 @@ class DirectoryReplacement:
 
     def _release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # drops the lock
+            _unlock_temp(self._fd)
             self._fd = None
         writer, self._writer = self._writer, None
         _drop_writer_lock(writer)
@@ -340,7 +357,11 @@ def _remove_temp_dir(tmpdir: str, tree: bool = False) -> None:
 def _remove_stale_temps(directory: str, prefix: str, tree: bool = False) -> None:
     """Remove the temporary directories named `prefix` + 8 random characters in `directory`
     that are owned by this user and locked by no writer (see replacing). Without flock (not
-    POSIX) a live writer cannot be told from a dead one, and nothing is removed."""
+    POSIX) a live writer cannot be told from a dead one, and nothing is removed.
+
+    One locked by a writer outside this process means that writer is writing the same target now:
+    ConcurrentWriteError. This catches the second writer where the lock files cannot (a writer
+    with another temporary directory, another container; a lock directory another user made)."""
     if fcntl is None:
         return
     try:
@@ -361,8 +382,17 @@ def _remove_stale_temps(directory: str, prefix: str, tree: bool = False) -> None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a save in progress: ours (a staged conversion), or another writer's
+                st = os.fstat(fd)
+                with _held_guard:
+                    ours = (st.st_dev, st.st_ino) in _own_temps
+                if ours:
+                    continue
+                target = os.path.join(directory, prefix[1:-len(TEMP_MARK)])
+                raise ConcurrentWriteError(f"another process is writing {target}: two writers of one file cannot "
+                                           f"both succeed; wait for it to finish, or write another file") from None
             except OSError:
-                continue  # a save in progress
+                continue  # a file system without locks
             if _same_inode(fd, full):
                 _remove_temp_dir(full, tree=tree)
         finally:
