@@ -642,14 +642,20 @@ def _causal_lm(spec: str):
             quant = (json.load(f).get("quantization_config") or {}).get("quant_method")
     except (OSError, json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"{config}: unreadable config ({e})") from None
+    from .files.hf_dir import read_tensors
+    # config.json's values, the shards, the index and the layer count checked before transformers
+    # reads any of it (the tokenizer builds the config too)
+    read_tensors(path).close()
     tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
     if quant == "fewbits":
         return from_pretrained(path), tokenizer, f"{path} (fewbits-quantized)"
-    from .files.hf_dir import read_tensors
-    read_tensors(path).close()  # shards, index and layer count checked before transformers builds the model
-    model = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
-        path, dtype="float32", local_files_only=True)).eval()
-    return model, tokenizer, path
+    model, info = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
+        path, dtype="float32", local_files_only=True, output_loading_info=True))
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers filled them at random
+        raise ValueError(f"{config}: the model it describes has weights the directory does not hold: "
+                         f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    return model.eval(), tokenizer, path
 
 
 def _check_prompt(prompt: str) -> None:

@@ -459,3 +459,77 @@ def test_a_config_json_that_is_no_model_is_refused(int4_dir, tmp_path, edit, mat
     with pytest.raises(FileFormatError, match=match) as e:
         fb.from_pretrained(bad)
     assert "config.json" in str(e.value)
+
+
+# --- found in review -----------------------------------------------------------------------------
+def test_duplicate_tokens_are_a_file_format_error(q4_0, tmp_path):
+    """The tokenizers library raises a plain Exception for them, which escaped as 'unexpected'."""
+    bad = tmp_path / "dup.gguf"
+    rewrite(q4_0, bad, set={"tokenizer.ggml.tokens": ("array[string]", ["a"] * 384),
+                            "tokenizer.ggml.token_type": ("array[i32]", [1] * 384)})
+    with pytest.raises(FileFormatError, match="its tokenizer cannot be read"):
+        fb.from_pretrained(bad)
+
+
+def test_nested_arrays_and_long_tensor_names_are_refused_as_llama_cpp_does(q4_0, tmp_path):
+    nested = tmp_path / "nested.gguf"
+    blob = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+    blob += struct.pack("<Q", 1) + b"x" + struct.pack("<IIQ", 9, 9, 4_000_000) + struct.pack("<IQ", 0, 0) * 4_000
+    nested.write_bytes(blob)
+    with pytest.raises(FileFormatError, match="an array of arrays"):
+        read_header(nested)
+    long = tmp_path / "long.gguf"
+    rewrite(q4_0, long, tensors=lambda infos: [["blk." + "9" * 70 if n == "output_norm.weight" else n, d, t, o]
+                                               for n, d, t, o in infos])
+    with pytest.raises(FileFormatError, match="not shorter than 64 bytes"):
+        read_header(long)
+
+
+def test_keys_llama_cpp_never_reads_and_odd_ones(q4_0, tmp_path):
+    old = tmp_path / "layout.gguf"
+    rewrite(q4_0, old, set={"llama.tensor_data_layout": ("string", "Meta AI original pth")})
+    fb.from_pretrained(old)  # early converters wrote it; llama.cpp ignores it
+    arr = tmp_path / "experts.gguf"
+    rewrite(q4_0, arr, set={"llama.expert_count": ("array[u32]", [0, 0])})
+    with pytest.raises(FileFormatError, match="expert_count"):
+        fb.from_pretrained(arr)
+    digit = tmp_path / "digit.gguf"
+    rewrite(q4_0, digit, tensors=lambda infos: [["blk.\u00b2.x" if n == "output_norm.weight" else n, d, t, o]
+                                                for n, d, t, o in infos])
+    with pytest.raises(FileFormatError):
+        fb.from_pretrained(digit)
+    freqs = tmp_path / "freqs.gguf"
+    rewrite(q4_0, freqs, tensors=lambda infos: [["rope_freqs.weight" if n == "output_norm.weight" else n, d, t, o]
+                                                for n, d, t, o in infos])
+    with pytest.raises(FileFormatError, match="rope_freqs.weight: per-dimension RoPE frequency factors"):
+        fb.from_pretrained(freqs)
+
+
+def test_a_second_stack_of_more_blocks_is_no_contradiction(int4_dir, tmp_path):
+    """Qwen2-VL's 32 vision blocks beside 28 text layers, DeepSeek-V3's extra MTP layer: the stated
+    count is checked against the stack that could hold it, and only more than any holds is refused."""
+    from fewbits.files.hf_dir import check_layer_count
+
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(28)]
+    names += [f"visual.blocks.{i}.attn.qkv.weight" for i in range(32)]
+    check_layer_count("config.json", {"num_hidden_layers": 28}, names)
+    check_layer_count("config.json", {"num_hidden_layers": 61},
+                      [f"model.layers.{i}.mlp.up_proj.weight" for i in range(62)])
+    with pytest.raises(FileFormatError, match="num_hidden_layers is 33, but the weights hold 32 layer"):
+        check_layer_count("config.json", {"num_hidden_layers": 33}, names)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set("num_attention_heads", 0), "config.json: num_attention_heads must be an integer"),
+    (_set("tie_word_embeddings", False), "config.json: the model it describes has weights the directory does not hold: lm_head"),
+])
+def test_generate_names_config_json_for_a_plain_directory(root, tmp_path, edit, match):
+    """The tokenizer builds the config too: a head count of 0 was reported as 'the tokenizer could
+    not be loaded (ZeroDivisionError)'; layers the weights lack were filled at random."""
+    src = tmp_path / "plain"
+    shutil.copytree(_source(root, 64, 128), src)
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = _run(["generate", str(src), "--prompt", "the", "--max-new-tokens", "2", "--quiet"])
+    assert rc == 2 and re.search(match, err), err

@@ -211,7 +211,9 @@ def test_auto_threads_give_the_same_tokens_on_the_native_path(monkeypatch, start
     assert sum(dec.last_threads.values()) == 59 and set(dec.last_threads) == {1, 2}
 
 
-def test_auto_threads_on_the_torch_path_choose_once_and_restore(monkeypatch):
+def test_auto_threads_on_the_torch_path_keep_torchs_count(monkeypatch):
+    """The torch path's last bits may depend on the thread count, so its tokens would depend on the
+    machine's load if "auto" chose a count there (review): it keeps torch's count."""
     from fewbits.models import decoder as decoder_module
 
     model = _model()
@@ -219,16 +221,40 @@ def test_auto_threads_on_the_torch_path_choose_once_and_restore(monkeypatch):
     monkeypatch.setattr(decoder_module, "threads_for_load", lambda threads=None, window=0.1: 1)
     dec = LlamaDecoder(model, path="torch", threads="auto")
     got = dec.generate(_prompt(2, 6), 12)
-    assert dec.last_threads == {1: 11} and torch.get_num_threads() == before
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(got.tokens, greedy_generate(model, _prompt(2, 6), 12).tokens)
-    finally:
-        torch.set_num_threads(before)
+    assert dec.last_threads == {before: 11} and torch.get_num_threads() == before
+    assert torch.equal(got.tokens, greedy_generate(model, _prompt(2, 6), 12).tokens)
     assert LlamaDecoder(model, threads=None).threads is None
     for bad in (0, -1, True, "many", 1.5):
         with pytest.raises(ValueError, match="threads"):
             LlamaDecoder(model, threads=bad)
+
+
+def test_decoders_setting_the_thread_count_in_threads_leave_it_as_it_was():
+    """torch's count is the process's, and a new thread starts from the last one set: two decoders
+    each setting their own count in threads left the other's behind for good (review). Only the
+    main thread sets it."""
+    import threading
+
+    model = _model()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decoders = [LlamaDecoder(model, path="torch", threads=n) for n in (1, 2, 1, 2)]
+        runs = [threading.Thread(target=lambda d=d: d.generate(_prompt(2, 6), 40)) for d in decoders]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join()
+        assert [d.last_threads for d in decoders] == [{2: 39}] * 4  # run at the count in force
+        decoders[0].generate(_prompt(2, 6), 5)  # from the main thread: its own count, then put back
+        assert decoders[0].last_threads == {1: 4}
+        seen = []
+        probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        assert torch.get_num_threads() == 2 and seen == [2]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_load_measure_is_a_count_of_cpus():

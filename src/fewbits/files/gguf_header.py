@@ -10,10 +10,10 @@ can have), so the work and memory are bounded by the file's size, and the tensor
 what ggml's own loader (gguf.cpp) requires:
 
 - the magic "GGUF", version 2 or 3, little-endian (a big-endian file is named as such);
-- metadata keys unique, non-empty UTF-8; value types 0..12; strings UTF-8; arrays nested at most
-  _MAX_DEPTH deep; `general.alignment`, when present, a u32 power of two;
-- tensor names unique and non-empty, 1..4 dimensions, each positive, the first a multiple of the
-  type's block, a GGML type gguf knows; tensor i's offset is the running sum of the earlier tensors'
+- metadata keys unique, non-empty UTF-8; value types 0..12; strings UTF-8; arrays of scalars or
+  strings (not of arrays, as in llama.cpp); `general.alignment`, when present, a u32 power of two;
+- tensor names unique, non-empty and shorter than 64 bytes; 1..4 dimensions, each positive, the
+  first a multiple of the type's block; a GGML type gguf knows; tensor i's offset is the running sum of the earlier tensors'
   sizes, each padded to the alignment (so no two tensors share bytes, and none sits in padding);
   every tensor's bytes lie inside the file.
 
@@ -34,8 +34,8 @@ from .safetensors_format import FileFormatError
 
 __all__ = ["GGUFHeader", "GGUFTensorInfo", "GGUFValue", "read_header"]
 
-_MAX_DEPTH = 3
 _MAX_DIMS = 4
+_MAX_NAME = 64  # GGML_MAX_NAME: a tensor name is shorter
 # GGUF value type -> (name, struct format or None, fixed size; 0 for string / array)
 _SCALARS = {0: ("u8", "<B", 1), 1: ("i8", "<b", 1), 2: ("u16", "<H", 2), 3: ("i16", "<h", 2),
             4: ("u32", "<I", 4), 5: ("i32", "<i", 4), 6: ("f32", "<f", 4), 7: ("bool", "<B", 1),
@@ -129,7 +129,7 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not UTF-8 text")
 
-    def value(self, vtype: int, what: str, depth: int = 0) -> GGUFValue:
+    def value(self, vtype: int, what: str) -> GGUFValue:
         if vtype in _SCALARS:
             name, fmt, size = _SCALARS[vtype]
             v = self.scalar(fmt, size, what)
@@ -138,8 +138,6 @@ class _Cursor:
             return GGUFValue("string", self.string(what))
         if vtype != _ARRAY:
             self.fail(f"{what} has value type {vtype}, not a GGUF type (0..12)")
-        if depth >= _MAX_DEPTH:
-            self.fail(f"{what}: arrays nested more than {_MAX_DEPTH} deep")
         etype = self.scalar("<I", 4, what + "'s element type")
         if etype in _SCALARS:
             name, _, size = _SCALARS[etype]
@@ -150,10 +148,8 @@ class _Cursor:
         if etype == _STRING:
             n = self.count(what, 8)
             return GGUFValue("array[string]", [self.string(f"{what}[{i}]") for i in range(n)])
-        if etype == _ARRAY:
-            n = self.count(what, 12)
-            items = [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(n)]
-            return GGUFValue("array[array]", [i.value for i in items])
+        if etype == _ARRAY:  # llama.cpp's reader refuses them too; no key it or fewbits reads is one
+            self.fail(f"{what} is an array of arrays, which GGUF readers (llama.cpp's) do not take")
         self.fail(f"{what} has element type {etype}, not a GGUF type (0..12)")
 
 
@@ -205,8 +201,8 @@ def _parse(path: str, buf, size: int) -> GGUFHeader:
     names = set()
     for i in range(n_tensors):
         name = c.string(f"tensor {i}'s name")
-        if not name:
-            c.fail(f"tensor {i} has an empty name")
+        if not name or len(name.encode("utf-8")) >= _MAX_NAME:
+            c.fail(f"tensor {i}'s name {name[:80]!r} is empty or not shorter than {_MAX_NAME} bytes (llama.cpp's limit)")
         if name in names:
             c.fail(f"tensor {name!r} appears twice")
         names.add(name)

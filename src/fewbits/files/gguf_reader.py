@@ -63,7 +63,8 @@ _READ = {"block_count", "context_length", "embedding_length", "feed_forward_leng
          "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size", "rope.scaling.type",
          "rope.scaling.factor", "rope.scale_linear"}
 _NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
-            "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None}
+            "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None,
+            "tensor_data_layout": None}  # early converters' "Meta AI original pth": llama.cpp never reads it
 _TOKEN_ARRAYS = {"tokenizer.ggml.tokens": "array[string]", "tokenizer.ggml.token_type": "array[i32]",
                  "tokenizer.ggml.scores": "array[f32]", "tokenizer.ggml.merges": "array[string]"}
 _SPECIAL_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "unknown": "unk_token_id", "padding": "pad_token_id"}
@@ -124,7 +125,7 @@ def _blocks_present(header: GGUFHeader) -> set[int]:
     present = set()
     for t in header.tensors:
         parts = t.name.split(".")
-        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isascii() and parts[1].isdigit():
             present.add(int(parts[1]))
     return present
 
@@ -153,7 +154,7 @@ def _check_other_keys(k: _Keys) -> None:
         if key not in _NEUTRAL:
             k.fail(f"{full} is not a key fewbits applies (it reads {', '.join(sorted(_READ))}); "
                    "refusing rather than ignoring it")
-        if _NEUTRAL[key] is not None and v.value != _NEUTRAL[key]:
+        if _NEUTRAL[key] is not None and (v.type not in INTEGER_TYPES or v.value != _NEUTRAL[key]):
             k.fail(f"{full} = {_shown(v.value)}: fewbits' llama runs dense models only ({key} {_NEUTRAL[key]})")
 
 
@@ -238,7 +239,9 @@ def llama_config(header: GGUFHeader) -> dict:
                              ("blk.0.attn_k.weight", kv_heads * head_dim, "attention.head_count_kv x the head size"),
                              ("blk.0.ffn_up.weight", ffn, "feed_forward_length")):
         t = next((t for t in header.tensors if t.name == name), None)
-        if t is not None and t.dims[-1] != size:
+        if t is None:
+            k.fail(f"{name} is missing")
+        if len(t.dims) != 2 or t.dims[-1] != size:
             k.fail(f"{name} has {t.dims[-1]} rows, but llama.{what} is {size}")
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": rows,
            "max_position_embeddings": k.int("context_length"), "hidden_size": hidden,
@@ -260,7 +263,7 @@ def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 
     config = LlamaConfig(**cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config)  # sizes checked against the tensors before (llama_config)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     out = {}
     for name, t in model.state_dict().items():
@@ -285,11 +288,22 @@ def read_gguf(path) -> tuple[dict, dict]:
     (see the module docstring)."""
     header, cfg = check_gguf(os.fspath(path))
     path = header.path
-    expected = _expected_names(cfg)
+    try:
+        expected = _expected_names(cfg)
+    except (ValueError, TypeError, RuntimeError, OverflowError, ZeroDivisionError) as e:
+        raise FileFormatError(path, f"transformers cannot build the llama it describes: {e}") from None
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's strict dataclass errors have no common base
+        if not type(e).__name__.startswith("StrictDataclass"):
+            raise
+        raise FileFormatError(path, f"transformers cannot build the llama it describes: {e}") from None
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors, problems = {}, []
     for t in header.tensors:
+        if t.name == "rope_freqs.weight":
+            problems.append(f"{t.name}: per-dimension RoPE frequency factors (Llama 3.1's llama3 scaling), which "
+                            "fewbits does not apply")
+            continue
         if t.name not in expected:
             problems.append(f"{t.name}: not a tensor of a llama model with {cfg['num_hidden_layers']} layers")
             continue
@@ -351,8 +365,8 @@ def gguf_tokenizer(path, header: GGUFHeader):
         return None
     try:
         return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    except (ValueError, KeyError, OSError, TypeError, IndexError, AttributeError) as e:
-        raise FileFormatError(path, f"its tokenizer cannot be read: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad vocabularies
+        raise FileFormatError(path, f"its tokenizer cannot be read: {type(e).__name__}: {e}") from None
 
 
 def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:

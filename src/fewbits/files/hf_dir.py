@@ -475,9 +475,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 
 def check_layer_count(config_path: str, config: dict | None, names) -> None:
-    """config.json's layer count must be the number of layers the tensors hold (checked before a
-    model of that many layers is built: 20000 layers stated for a 2-layer model would take
-    minutes and gigabytes on the meta device alone); a FileFormatError naming config.json."""
+    """config.json's layer count must not exceed the layers the tensors hold in any one stack
+    (checked before a model of that many layers is built: 20000 layers stated for a 2-layer model
+    would take minutes and gigabytes on the meta device alone); a FileFormatError naming
+    config.json. Weights a model of the stated count lacks are caught when it loads
+    (hf_quantizer.from_pretrained refuses missing keys)."""
     if not config:
         return
     for key in _LAYER_KEYS:
@@ -488,10 +490,20 @@ def check_layer_count(config_path: str, config: dict | None, names) -> None:
         return
     if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
         raise FileFormatError(config_path, f"{key} must be a positive integer, got {stated!r}")
-    present = {int(m.group(1)) for n in names for m in [_LAYER_INDEX.search(n)] if m is not None}
-    if present and (len(present) != stated or max(present) != stated - 1):  # not set(range(stated)): 2^31
+    stacks: dict[str, set[int]] = {}  # "model.layers." -> the indices found under it
+    for n in names:
+        m = _LAYER_INDEX.search(n)
+        if m is not None:
+            stacks.setdefault(n[:m.start(1)], set()).add(int(m.group(1)))
+    if not stacks:
+        return
+    # more layers than any stack holds (the hang); fewer is left to the loader's own checks: a
+    # vision tower of more blocks (Qwen2-VL) or a multi-token-prediction layer (DeepSeek-V3)
+    # beside the decoder's stack is no contradiction
+    prefix, present = max(stacks.items(), key=lambda kv: len(kv[1]))
+    if stated > len(present):
         raise FileFormatError(config_path, f"{key} is {stated}, but the weights hold {len(present)} layer(s) "
-                              f"numbered {min(present)}..{max(present)}")
+                              f"({prefix}{min(present)}..{max(present)})")
 
 
 _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -505,7 +517,8 @@ _FLOAT_DTYPES_NAMED = ("float32", "float16", "bfloat16", "float64", "auto")
 def check_config_values(config_path: str, config: dict | None) -> None:
     """The config.json values that size or scale the model, checked before transformers reads
     them (which lets a NaN rms_norm_eps or a rope_theta of 0 through to NaN logits, and turns a
-    head count of 0 into a ZeroDivisionError): sizes positive integers below 2^31, the head
+    head count of 0 into a ZeroDivisionError): sizes positive integers below 2^31 (a context
+    length below 2^63), the head
     counts dividing as attention needs, epsilons, rope theta and scaling factors finite and > 0,
     flags booleans, dtype a float dtype, hidden_act an activation transformers has. A
     FileFormatError naming config.json; keys that are absent (or null where transformers
@@ -523,8 +536,9 @@ def check_config_values(config_path: str, config: dict | None) -> None:
         v = config.get(key)
         if v is None:
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < 2 ** 31:
-            fail(f"{key} must be an integer from 1 to 2^31 - 1, got {v!r}")
+        top = 63 if key == "max_position_embeddings" else 31  # a context limit allocates nothing itself
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < 2 ** top:
+            fail(f"{key} must be an integer from 1 to 2^{top} - 1, got {v!r}")
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads is not None and kv is not None and heads % kv:
         fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")

@@ -37,6 +37,7 @@ new weights) is always run as it is now.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import statistics
@@ -267,6 +268,9 @@ class _ThreadChooser:
         return step
 
 
+_THREAD_COUNT_LOCK = threading.Lock()  # held by a generate() that sets torch's thread count
+
+
 class LlamaDecoder:
     """Greedy generation through a written-out forward and a preallocated KV cache (see the module).
 
@@ -288,9 +292,12 @@ class LlamaDecoder:
     0.4-3.7 tokens/s at 2 threads against 32-88 at 1). On the native path each decode step's
     count is chosen by measuring the steps as they run (see _ThreadChooser): its logits do not
     depend on the count, so only the speed changes. On the torch path, where torch's reductions
-    may round differently at another count, the count is chosen once per generate() from the load
-    of the CPUs (threads_for_load) and kept for the whole generation. The count torch had is
-    restored after the call; `last_threads` says which counts ran how many decode steps.
+    may round differently at another count (and greedy tokens could then depend on the machine's
+    load), "auto" leaves torch's count as it is. The count torch had is restored after the call;
+    `last_threads` says which counts ran how many decode steps. torch's count is the process's
+    (and a thread started while another had changed it starts from, and would put back, that
+    count): only generate() calls from the main thread set it, one at a time across decoders;
+    calls from other threads run at torch's count as it is.
     """
 
     def __init__(self, model, path: str = "auto", threads: int | str | None = None):
@@ -490,19 +497,25 @@ class LlamaDecoder:
         stop = frozenset(_token_ids(stop))
         with self._lock:
             forward = self._forward(input_ids, max_new_tokens)
-            before = torch.get_num_threads()
-            chooser = None
-            try:
-                if self.threads == "auto" and self._native:
-                    chooser = _ThreadChooser(before, threads_for_load(before))
-                    forward = chooser.wrap(forward)
-                elif self.threads is not None:
-                    torch.set_num_threads(threads_for_load(before) if self.threads == "auto" else self.threads)
-                threads = torch.get_num_threads()
-                result = _loop(forward, input_ids, max_new_tokens, None, stop=stop)
-            finally:
-                if torch.get_num_threads() != before:
-                    torch.set_num_threads(before)
+            # torch's thread count is the process's (a thread started while another had set it
+            # starts from that count, and would put it back): only the main thread sets it, and
+            # one generation at a time
+            sets_threads = (self.threads is not None and (self.threads != "auto" or self._native)
+                            and threading.current_thread() is threading.main_thread())
+            with _THREAD_COUNT_LOCK if sets_threads else contextlib.nullcontext():
+                before = torch.get_num_threads()
+                chooser = None
+                try:
+                    if self.threads == "auto" and self._native:
+                        chooser = _ThreadChooser(before, threads_for_load(before))
+                        forward = chooser.wrap(forward)
+                    elif sets_threads:
+                        torch.set_num_threads(self.threads)
+                    threads = torch.get_num_threads()
+                    result = _loop(forward, input_ids, max_new_tokens, None, stop=stop)
+                finally:
+                    if torch.get_num_threads() != before:
+                        torch.set_num_threads(before)
             self.last_threads = (dict(chooser.steps) if chooser is not None
                                  else {threads: result.decode_steps} if result.decode_steps else {})
             return result
