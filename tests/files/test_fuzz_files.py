@@ -199,9 +199,6 @@ def test_model_files_smoke_run(smoke_run):
     assert "honoured" in proc.stdout and "harmless" in proc.stdout
 
 
-@pytest.mark.xfail(reason="issue 29: config.json values of the wrong type escape from transformers as "
-                          "StrictDataclass errors; architectures of another model family load (see the fuzz report)",
-                   strict=False)
 def test_model_files_smoke_run_finds_nothing(smoke_run):
     proc, report = smoke_run
     assert not report["failures"], [(f["what"], f["outcome"]) for f in report["failures"]]
