@@ -219,10 +219,12 @@ def test_generate_reports_the_canonical_scheme(src):
 
 
 def test_quiet_silences_third_party_progress_bars(q4k_gguf, tmp_path):
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()  # what earlier tests of this process left
     rc, out, err = run(["quantize", str(q4k_gguf[0]), "--scheme", "int8", "--out", str(tmp_path / "q"), "--quiet"])
     assert rc == 0 and err == "", err  # before: transformers' "Converting and de-quantizing GGUF tensors" bar
-    from transformers.utils import logging as hf_logging
-    assert hf_logging.is_progress_bar_enabled()  # restored after the command
+    assert hf_logging.is_progress_bar_enabled() == before  # restored after the command
 
 
 def test_train_compare_json_writes_no_picture_unless_asked(tmp_path, monkeypatch):
