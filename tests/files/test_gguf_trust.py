@@ -533,3 +533,23 @@ def test_generate_names_config_json_for_a_plain_directory(root, tmp_path, edit, 
     (src / "config.json").write_text(json.dumps(cfg))
     rc, _, err = _run(["generate", str(src), "--prompt", "the", "--max-new-tokens", "2", "--quiet"])
     assert rc == 2 and re.search(match, err), err
+
+
+def test_a_quantization_config_changed_after_the_write_is_refused(int4_dir, tmp_path):
+    """int4 -> nf4 keeps the code layout, so the codes loaded through the nf4 codebook (logits 0.75
+    off) without a word (the fuzzer's last silent load): each shard records the schemes it was
+    written with."""
+    from safetensors import safe_open
+
+    bad = tmp_path / "bad"
+    shutil.copytree(int4_dir, bad)
+    with safe_open(str(bad / "model.safetensors"), "pt") as f:
+        assert "fewbits_modules" in f.metadata()
+    cfg = json.loads((bad / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    (key,) = qc["schemes"]
+    qc["schemes"][key]["format"] = "nf4"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileFormatError, match="config.json was changed after the model was written") as e:
+        fb.from_pretrained(bad)
+    assert str(e.value).startswith(str(bad / "config.json"))

@@ -177,6 +177,19 @@ def parse_quantization_config(path, qc) -> dict[str, tuple[QuantScheme, tuple[in
     return out
 
 
+# What a shard written by ShardWriter records of the quantized modules in it, in its safetensors
+# metadata: {module: {"scheme", "shape", "dtype"}} as quantization_config states them. config.json
+# is a separate, editable file: a quantization_config changed after the write (a scheme's format
+# int4 -> nf4 keeps the layout, so the codes would load through another codebook) no longer
+# matches what the shard holding the codes was written as, and is refused. Shards written
+# otherwise (transformers' save_pretrained of a loaded model) carry no record and are not checked.
+SHARD_RECORD = "fewbits_modules"
+
+
+def _module_record(scheme: QuantScheme, shape, dtype) -> dict:
+    return {"scheme": scheme.to_dict(), "shape": [int(d) for d in shape], "dtype": _dtype_name(dtype)}
+
+
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +223,7 @@ class ShardWriter:
         self.max_shard_bytes = max_shard_bytes
         self._dir = DirectoryReplacement(self.out_dir, overwrite=overwrite)
         self._shard: dict[str, torch.Tensor] = {}
+        self._shard_schemes: dict[str, dict] = {}  # module -> what the shard records of it (SHARD_RECORD)
         self._shard_bytes = 0
         self._storages: set = set()
         self._written: list[tuple[str, list[str]]] = []  # (temporary file name, keys) per written shard
@@ -270,17 +284,21 @@ class ShardWriter:
         self._logical.add(name)
         if module is not None:
             self._quantized_info[module] = info
+            self._shard_schemes[module] = _module_record(*info)
 
     def _flush(self) -> None:
         if not self._shard:
             return
         tmp_name = f"shard-{len(self._written):05d}.safetensors"
+        metadata = {"format": "pt"}
+        if self._shard_schemes:
+            metadata[SHARD_RECORD] = json.dumps(self._shard_schemes, separators=(",", ":"))
         try:
-            write_safetensors(os.path.join(self._dir.tmp, tmp_name), self._shard, metadata={"format": "pt"})
+            write_safetensors(os.path.join(self._dir.tmp, tmp_name), self._shard, metadata=metadata)
         except OSError as e:  # a full disk, a quota
             raise OSError(f"cannot write {self.out_dir}: {e}") from None
         self._written.append((tmp_name, list(self._shard)))
-        self._shard, self._shard_bytes, self._storages = {}, 0, set()
+        self._shard, self._shard_bytes, self._storages, self._shard_schemes = {}, 0, set(), {}
 
     def finish(self, config, tokenizer=None, quantization_config: dict | None = None) -> str:
         """Write everything left and rename the directory into place; returns its path."""
@@ -599,6 +617,7 @@ class HFTensors(Mapping):
         qc = (self.config or {}).get("quantization_config")
         self.quantized = parse_quantization_config(config_path, qc) if qc is not None else {}
         self._handles: dict[str, object] = {}
+        self._records: dict[str, dict] = {}  # shard -> its SHARD_RECORD
         self.files, where = self._shards()
         self._float: dict[str, str] = {}     # name -> shard path
         self._qt: dict[str, str] = {}        # "m.weight" -> module m
@@ -663,6 +682,32 @@ class HFTensors(Mapping):
                 where[key] = path
         return where
 
+    def _check_record(self, module: str, scheme: QuantScheme, shape, dtype, shard: str) -> None:
+        """config.json's entry of `module` against what its shard recorded when written (SHARD_RECORD)."""
+        records = self._records.get(shard)
+        if records is None:
+            raw = (self._handle(shard).metadata() or {}).get(SHARD_RECORD)
+            try:
+                records = json.loads(raw) if raw is not None else {}
+            except ValueError:
+                records = None
+            if not isinstance(records, dict):
+                raise FileFormatError(shard, f"its {SHARD_RECORD} metadata is not a JSON object")
+            self._records[shard] = records
+        record = records.get(module)
+        if record is None:
+            return
+        try:
+            same = (isinstance(record, dict) and QuantScheme.from_dict(record.get("scheme")) == scheme
+                    and record.get("shape") == list(shape) and record.get("dtype") == _dtype_name(dtype))
+        except (TypeError, ValueError, ArithmeticError, AttributeError):
+            same = False
+        if not same:
+            config_path = os.path.join(self.directory, CONFIG_NAME)
+            raise FileFormatError(config_path, f"quantization_config states module {module!r} as {scheme.label} "
+                                  f"{list(shape)} {_dtype_name(dtype)}, but {os.path.basename(shard)} was written with "
+                                  f"{_short(record)}: config.json was changed after the model was written")
+
     def _handle(self, path: str):
         from safetensors import SafetensorError, safe_open
         h = self._handles.get(path)
@@ -709,6 +754,7 @@ class HFTensors(Mapping):
                 if got_shape != tuple(sh) or _ST_DTYPES.get(got_dtype) != dt:
                     raise FileFormatError(parts[k], f"{module}.{QWEIGHT}.{k}: {got_dtype} {list(got_shape)} stored, "
                                           f"{scheme.label} of shape {list(shape)} needs {_dtype_name(dt)} {list(sh)}")
+            self._check_record(module, scheme, shape, dtype, parts["codes"] if "codes" in parts else first)
             name = f"{module}.weight"
             if name in self._float:
                 raise FileFormatError(self._float[name], f"{name!r} is stored both as a float tensor and quantized")
