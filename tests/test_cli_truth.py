@@ -281,8 +281,9 @@ def test_quiet_silences_warnings_and_library_logging_and_restores_them(capsys):
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level = hf_logging.get_verbosity()  # what earlier tests of this process left
     library = hf_logging.get_logger("transformers.modeling_utils")
+    enabled = library.isEnabledFor(logging.WARNING)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with cli._third_party_quiet(True):
@@ -293,6 +294,6 @@ def test_quiet_silences_warnings_and_library_logging_and_restores_them(capsys):
             exec(compile("import warnings; warnings.warn('fewbits: news')", "x", "exec"), {"__name__": "fewbits.x"})
         assert [str(w.message) for w in caught] == ["fewbits: news"]  # fewbits' own warnings still show
     assert capsys.readouterr().err == ""
-    assert hf_logging.get_verbosity() == level and library.isEnabledFor(logging.WARNING)
+    assert hf_logging.get_verbosity() == level and library.isEnabledFor(logging.WARNING) == enabled
     list(tqdm(range(3), desc="a bar"))
     assert "a bar" in capsys.readouterr().err

@@ -399,8 +399,10 @@ def test_a_killed_save_leaves_a_temporary_directory_that_the_next_save_removes(t
 
 @pytest.mark.skipif(importlib.util.find_spec("fcntl") is None,
                     reason="no flock on this platform: stale files are not told from live ones")
-def test_a_save_in_progress_keeps_its_temporary_directory(tmp_path):
-    # another process writing the same target holds the lock on its temporary directory
+def test_a_save_in_progress_keeps_its_temporary_directory_and_a_second_save_is_refused(tmp_path):
+    # another process writing the same target holds the lock on its temporary directory: the
+    # second writer is refused (both reported success before, one replacing the other) and leaves
+    # the first one's directory alone
     live = tmp_path / (atomic.temp_prefix("m.safetensors") + "live0000")
     live.mkdir()
     (live / "m.safetensors").write_bytes(b"being written")
@@ -413,8 +415,9 @@ def test_a_save_in_progress_keeps_its_temporary_directory(tmp_path):
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
-        assert (live / "m.safetensors").exists()
+        with pytest.raises(atomic.ConcurrentWriteError, match="another process is writing"):
+            fb.save(quantize(torch.randn(4, 8), "int8"), tmp_path / "m.safetensors")
+        assert (live / "m.safetensors").exists() and not (tmp_path / "m.safetensors").exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)

@@ -33,7 +33,10 @@ from .smollm2 import (
 from .text import (
     TextSplit, pydoc_sentences, pydoc_split, pydoc_split_topics, pydoc_text, pydoc_topics,
 )
-from .generation import CompiledGenerator, GenerationResult, dynamo_graph_breaks, greedy_generate
+from .generation import (
+    CompiledGenerator, GenerationResult, available_memory, check_cache_fits, dynamo_graph_breaks, greedy_generate,
+    kv_cache_bytes,
+)
 from .decoder import LlamaDecoder
 from .synthetic import LLAMA_SHAPES, synthetic_llama_config, write_synthetic_llama
 from .tiny import TINY_CLASSES, TINY_CONTEXT, TinyTask, accuracy, tiny_charlm_model, tiny_task, train_classifier
@@ -48,5 +51,6 @@ __all__ = [
     "Q4_1_CAVEAT", "SMOLLM2_HINT", "SMOLLM2_GGUF",
     "LLAMA_SHAPES", "synthetic_llama_config", "write_synthetic_llama",
     "greedy_generate", "CompiledGenerator", "GenerationResult", "dynamo_graph_breaks", "LlamaDecoder",
+    "kv_cache_bytes", "available_memory", "check_cache_fits",
     "tiny_task", "TinyTask", "tiny_charlm_model", "train_classifier", "accuracy", "TINY_CONTEXT", "TINY_CLASSES",
 ]
