@@ -19,6 +19,7 @@ import fewbits as fb  # noqa: E402
 from fewbits import cli  # noqa: E402
 from fewbits.cli import main  # noqa: E402
 from fewbits.models import synthetic_llama_config, write_synthetic_llama  # noqa: E402
+from tiny_tokenizer import save_byte_level_bpe  # noqa: E402
 
 
 def run(argv):
@@ -28,22 +29,11 @@ def run(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-def _save_tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"th": 256, "the": 257, "<|endoftext|>": 258})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("t", "h"), ("th", "e")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
-
-
 def _llama(path, vocab_size=384):
     cfg = synthetic_llama_config("135m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size)
     write_synthetic_llama(path, cfg)
-    _save_tokenizer(path)
+    save_byte_level_bpe(path)
     return path
 
 

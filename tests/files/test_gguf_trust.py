@@ -28,22 +28,11 @@ from fewbits.files.gguf_file import RECIPES  # noqa: E402
 from fewbits.files.gguf_header import read_header  # noqa: E402
 from fewbits.models import synthetic_llama_config, write_synthetic_llama  # noqa: E402
 from fewbits.models.decoder import LlamaDecoder  # noqa: E402
+from tiny_tokenizer import save_byte_level_bpe  # noqa: E402
 
 from gguf_craft import rewrite, serialize  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _save_tokenizer(path, extra: int = 0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"th": 256, "the": 257, "<|endoftext|>": 258})
-    vocab.update({f"x{i}": 259 + i for i in range(extra)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("t", "h"), ("th", "e")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
 
 
 # (hidden, intermediate): rows that are multiples of 256 (k-quants as such) with a down projection
@@ -60,7 +49,7 @@ def _source(root, hidden, inter, *, tied=True, dtype=torch.float32, **changes):
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
                                      tie_word_embeddings=tied, **changes)
         write_synthetic_llama(path, cfg, dtype=dtype, norm_range=(0.5, 1.5), seed=hidden + inter)
-        _save_tokenizer(path)
+        save_byte_level_bpe(path)
     return path
 
 

@@ -79,41 +79,38 @@ class _Keys:
     def fail(self, problem: str):
         raise FileFormatError(self.h.path, problem)
 
-    def int(self, key: str, default=None, minimum: int = 1):
+    def _value(self, key: str, types: tuple[str, ...], kind: str, required: bool):
+        """(full key, the value or None where absent and not required), of one of `types`."""
         full = self.prefix + key
         v = self.h.metadata.get(full)
         if v is None:
-            if default is None:
+            if required:
                 self.fail(f"{full} is missing")
+            return full, None
+        if v.type not in types:
+            self.fail(f"{full} must be {kind}, got {v.type} {_shown(v.value)}")
+        return full, v.value
+
+    def int(self, key: str, default=None, minimum: int = 1):
+        full, v = self._value(key, INTEGER_TYPES, "an integer", default is None)
+        if v is None:
             return default
-        if v.type not in INTEGER_TYPES:
-            self.fail(f"{full} must be an integer, got {v.type} {_shown(v.value)}")
-        if v.value < minimum:
-            self.fail(f"{full} must be at least {minimum}, got {v.value}")
-        return int(v.value)
+        if v < minimum:
+            self.fail(f"{full} must be at least {minimum}, got {v}")
+        return int(v)
 
     def float(self, key: str, default=None, zero_ok: bool = False):
-        full = self.prefix + key
-        v = self.h.metadata.get(full)
+        full, v = self._value(key, FLOAT_TYPES, "a float", default is None)
         if v is None:
-            if default is None:
-                self.fail(f"{full} is missing")
             return default
-        if v.type not in FLOAT_TYPES:
-            self.fail(f"{full} must be a float, got {v.type} {_shown(v.value)}")
-        x = float(v.value)
+        x = float(v)
         if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
             self.fail(f"{full} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {x}")
         return x
 
     def string(self, key: str, default=None):
-        full = self.prefix + key
-        v = self.h.metadata.get(full)
-        if v is None:
-            return default
-        if v.type != "string":
-            self.fail(f"{full} must be a string, got {v.type} {_shown(v.value)}")
-        return v.value
+        _, v = self._value(key, ("string",), "a string", False)
+        return default if v is None else v
 
 
 def _shown(value) -> str:
