@@ -142,7 +142,9 @@ def test_f16_output_tensor_among_quantized_ones(root):
     assert {t.name: t.ggml_type for t in read_header(out).tensors}["output.weight"] == "F16"
     model = fb.from_pretrained(out)
     want = _logits(_reference(out))
-    assert (_logits(model) - want).abs().max() <= 1e-4 * want.abs().max()
+    # within the kernels' own rounding (a Q4_0 kernel may take bfloat16 activations on AMX)
+    assert (_logits(model) - want).abs().max() <= 2e-2 * want.abs().max()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 # --- 2. no small file hangs the loader ---------------------------------------------------------
@@ -203,10 +205,18 @@ def test_config_layer_count_beyond_the_weights_is_refused(root, tmp_path):
 
 # --- 3. metadata that changes the numbers: honoured or refused ---------------------------------
 def test_linear_rope_scaling_is_honoured(root, tmp_path):
-    src = _source(root, 64, 128, rope_scaling={"rope_type": "linear", "factor": 4.0})
-    path = _convert(src, tmp_path / "linear.gguf", "q8_0")
-    h = read_header(path)
-    assert h.get("llama.rope.scaling.type") == "linear" and h.get("llama.rope.scaling.factor") == 4.0
+    src = _source(root, 64, 128, tied=False, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    # only the token embedding quantized (a row lookup, exact), every matrix F32: float32 matmuls on
+    # any CPU, so the comparison below sees RoPE alone (a quantized layer's kernel may take
+    # bfloat16 activations on another CPU)
+    rules = dict.fromkeys(gguf_recipe("q8_0", transformers.AutoConfig.from_pretrained(src)))
+    rules.update({"model.embed_tokens": "q8_0", "lm_head": None})
+    path = tmp_path / "linear.gguf"
+    convert(src, path, rules, embeddings=True)
+    assert {t.name: t.ggml_type for t in read_header(path).tensors}["output.weight"] == "F32"
+    fields = gguf.GGUFReader(path).fields  # llama.cpp's own Python reader
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 4.0
     model = fb.from_pretrained(path)
     assert model.config.rope_parameters["rope_type"] == "linear"
     assert model.config.rope_parameters["factor"] == 4.0
@@ -350,8 +360,9 @@ def test_quantizing_a_gguf_keeps_its_rope_scaling(root, tmp_path):
     out = tmp_path / "again.gguf"
     rc, _, err = _run(["quantize", str(path), "--scheme", "q8_0", "--out", str(out), "--quiet"])
     assert rc == 0, err
-    h = read_header(out)
-    assert h.get("llama.rope.scaling.type") == "linear" and h.get("llama.rope.scaling.factor") == 4.0
+    fields = gguf.GGUFReader(out).fields  # llama.cpp's own Python reader
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 4.0
 
 
 def test_architectures_naming_a_non_model_class(root, tmp_path):
