@@ -20,6 +20,7 @@ from fewbits import model_building  # noqa: E402
 from fewbits.files.conversion import convert  # noqa: E402
 from fewbits.files.streaming import model_skeleton  # noqa: E402
 from fewbits.models import synthetic_llama_config, write_synthetic_llama  # noqa: E402
+from together import together  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,28 +33,6 @@ def llama(tmp_path_factory):
     write_synthetic_llama(path, cfg, shard_bytes=40_000)
     save_byte_level_bpe(path)
     return path
-
-
-def _together(fns) -> list:
-    """Each fn in a thread of its own, started together; their results, or the first exception."""
-    results, errors = [None] * len(fns), []
-    barrier = threading.Barrier(len(fns))
-
-    def run(i):
-        try:
-            barrier.wait()
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - reraised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _tensors(out: str) -> dict:
@@ -82,7 +61,7 @@ def test_threaded_conversions_each_write_a_correct_output(llama, tmp_path, fmt, 
     expected = _tensors(reference)
     for round_ in range(3):
         outs = [str(tmp_path / f"out{round_}_{i}{suffix}") for i in range(4)]
-        _together([lambda o=o: convert(llama, o, scheme, format=fmt) for o in outs])
+        together([lambda o=o: convert(llama, o, scheme, format=fmt) for o in outs])
         for o in outs:
             assert _same(_tensors(o), expected), o
     assert nn.Linear(2, 2).weight.device.type == "cpu"
@@ -91,7 +70,7 @@ def test_threaded_conversions_each_write_a_correct_output(llama, tmp_path, fmt, 
 
 def test_skeletons_in_threads_leave_torch_as_it_was(llama):
     config = transformers.AutoConfig.from_pretrained(llama)
-    models = _together([lambda: model_skeleton(config) for _ in range(6)])
+    models = together([lambda: model_skeleton(config) for _ in range(6)])
     for m in models:
         assert all(p.device.type == "meta" for p in m.parameters())
         assert m.lm_head.weight is m.model.embed_tokens.weight  # tied, as from_pretrained ties it

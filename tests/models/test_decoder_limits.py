@@ -15,6 +15,7 @@ import fewbits as fb  # noqa: E402
 from fewbits.models import generation  # noqa: E402
 from fewbits.models.decoder import LlamaDecoder  # noqa: E402
 from fewbits.models.generation import CompiledGenerator, greedy_generate, kv_cache_bytes  # noqa: E402
+from together import together  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
@@ -33,28 +34,6 @@ def _prompt(seed: int, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _concurrent(fn, count: int) -> list:
-    """fn(i) in `count` threads started together; their results, or the first exception raised."""
-    results, errors = [None] * count, []
-    barrier = threading.Barrier(count)
-
-    def run(i):
-        try:
-            barrier.wait()
-            results[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - reraised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 @pytest.mark.parametrize("path,scheme", [("torch", None), ("auto", "int4_g32")])
 def test_concurrent_generate_on_one_decoder_gives_each_the_serial_tokens(path, scheme):
     model = _model()
@@ -67,9 +46,9 @@ def test_concurrent_generate_on_one_decoder_gives_each_the_serial_tokens(path, s
     lengths = [10 + 3 * i for i in range(8)]
     serial = [dec.generate(p, n).tokens for p, n in zip(prompts, lengths)]
     for _ in range(2):
-        got = _concurrent(lambda i: dec.generate(prompts[i], lengths[i]).tokens, 8)
+        got = together([lambda i=i: dec.generate(prompts[i], lengths[i]).tokens for i in range(8)])
         assert [torch.equal(a, b) for a, b in zip(got, serial)] == [True] * 8
-    steps = _concurrent(lambda i: dec.step_logits(prompts[i], serial[i]), 8)
+    steps = together([lambda i=i: dec.step_logits(prompts[i], serial[i]) for i in range(8)])
     for i, logits in enumerate(steps):
         assert torch.equal(torch.cat([x[:, -1].max(-1).indices for x in logits]), serial[i][0])
 
@@ -79,7 +58,7 @@ def test_a_decoder_per_thread_over_one_model_runs_at_the_same_time():
     fb.quantize_model(model, "int4_g32")
     prompts = [_prompt(i, 4 + i) for i in range(4)]
     serial = [LlamaDecoder(model).generate(p, 16).tokens for p in prompts]
-    got = _concurrent(lambda i: LlamaDecoder(model).generate(prompts[i], 16).tokens, 4)
+    got = together([lambda i=i: LlamaDecoder(model).generate(prompts[i], 16).tokens for i in range(4)])
     assert [torch.equal(a, b) for a, b in zip(got, serial)] == [True] * 4
 
 

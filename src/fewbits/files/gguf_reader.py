@@ -280,10 +280,11 @@ def check_gguf(path) -> tuple[GGUFHeader, dict]:
     return header, llama_config(header)
 
 
-def read_gguf(path) -> tuple[dict, dict]:
+def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dict, dict]:
     """(config dict, {Hugging Face name: QuantizedTensor or float tensor}) of a llama GGUF file
-    (see the module docstring)."""
-    header, cfg = check_gguf(os.fspath(path))
+    (see the module docstring). checked: check_gguf(path) of it already made (not read twice)."""
+    header, cfg = checked if checked is not None else check_gguf(os.fspath(path))
+    cfg = dict(cfg)
     path = header.path
     try:
         expected = _expected_names(cfg)
@@ -374,8 +375,9 @@ def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     from .hf_dir import ShardWriter
 
     path = os.fspath(path)
-    header, _ = check_gguf(path)
-    cfg, tensors = read_gguf(path)
+    checked = check_gguf(path)
+    header = checked[0]
+    cfg, tensors = read_gguf(path, checked)
     tokenizer = gguf_tokenizer(path, header)
     with ShardWriter(out_dir, overwrite=overwrite) as writer:
         for name, value in tensors.items():
@@ -391,8 +393,9 @@ def gguf_to_float_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     from .hf_dir import ShardWriter
 
     path = os.fspath(path)
-    header, _ = check_gguf(path)
-    cfg, tensors = read_gguf(path)
+    checked = check_gguf(path)
+    header = checked[0]
+    cfg, tensors = read_gguf(path, checked)
     head = tensors.get("lm_head.weight")
     if head is not None and head is tensors.get("model.embed_tokens.weight"):
         del tensors["lm_head.weight"]
