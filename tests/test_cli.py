@@ -209,7 +209,7 @@ def test_plot_without_extension_reports_the_file_written(capsys, tmp_path):
 ])
 def test_bad_plot_paths_fail_before_the_work(capsys, monkeypatch, tmp_path, plot, message, exit_code):
     import fewbits.formats.explanation as ex
-    from fewbits import cli
+    from fewbits.cli import explain as cli
 
     (tmp_path / "isdir.png").mkdir()
     _no_work(monkeypatch, cli, "explain")
@@ -246,7 +246,7 @@ def test_study_out_that_cannot_be_written_fails_before_the_parts(capsys, monkeyp
 
 
 def test_an_unexpected_error_is_one_line_exit_1(capsys, monkeypatch):
-    from fewbits import cli
+    from fewbits.cli import formats as cli
 
     def broken(fmt):
         raise KeyError("surprise")
@@ -260,7 +260,7 @@ def test_an_unexpected_error_is_one_line_exit_1(capsys, monkeypatch):
 
 
 def test_ctrl_c_in_any_command_exits_130_without_a_traceback(capsys, monkeypatch):
-    from fewbits import cli
+    from fewbits.cli import formats as cli
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

@@ -55,6 +55,8 @@ def _file_types(path):
 
 
 def _refuse_reading(monkeypatch):
+    from fewbits.cli import quantize as cli
+
     def no(*a, **k):
         raise AssertionError("the model was read although the request could be refused before")
     monkeypatch.setattr(cli, "_quant_source", no)
