@@ -11,6 +11,8 @@ from fewbits.quant import get_scheme, list_schemes, quantize
 from fewbits.quant import lowbit_ops as ops
 from fewbits.quant import scales as sc
 from fewbits.quant import modules as qm
+from fewbits.quant.linear_kernels import base as kernel_base
+from fewbits.quant.linear_kernels.rows import RowDecoder
 from fewbits.quant.modules import KernelQuantizedTensor, QuantEmbedding, QuantLinear, available_kernels
 
 pytestmark = pytest.mark.usefixtures("eager_kernels")
@@ -176,14 +178,14 @@ def test_dequant_path_decodes_exactly_what_dequantize_gives(monkeypatch):
     for name in ALL_SCHEMES:
         for shape in [(24, 100), (17, 64)]:
             qt = quantize(torch.randn(shape) * 3, name)
-            dec = qm._RowDecoder(qt)
+            dec = RowDecoder(qt)
             scales, zps = dec.params()
             full = dec.block(0, shape[0], scales, zps)
             assert torch.equal(full, qt.dequantize(torch.float32)), (name, shape)
             assert torch.equal(dec.block(5, 9, scales, zps), full[5:9]), (name, shape)
-    monkeypatch.setattr(qm, "_ROW_BLOCK_VALUES", 300)  # several row blocks per call
+    monkeypatch.setattr(kernel_base, "_ROW_BLOCK_VALUES", 300)  # several row blocks per call
     m = QuantLinear.from_linear(_linear(64, 96), "nf4")
-    assert qm._rows_per_block(96, 4) < 64
+    assert kernel_base.rows_per_block(96, 4) < 64
     x = _x((6, 96))
     assert torch.allclose(m(x), m.reference_forward(x), rtol=0, atol=1e-5)
 
@@ -225,7 +227,7 @@ def test_fused_4bit_matmul_matches_reference(name, monkeypatch):
     m = QuantLinear.from_linear(_linear(64, 256), name, kernel="dequant_fp32")
     before = len(calls)
     assert_close_to_reference(m, _x((n_big, 256)))
-    assert len(calls) == before and (decodes or not m._decoder.lut4)
+    assert len(calls) == before and (decodes or not m._prepared.decoder.lut4)
 
 
 FOUR_BIT_ALL = [n for n in ALL_SCHEMES if get_scheme(n).format.bits == 4 and get_scheme(n).activations is None]
@@ -243,9 +245,9 @@ def test_c_decode_of_4bit_codes_is_dequantize_bit_for_bit(name):
     for shape in [(64, 96), (48, 256), (32, 200), (17, 512)]:
         lin = _linear(*shape, seed=shape[1])
         m = QuantLinear.from_linear(lin, name, kernel="dequant")
-        if m._decoder is None or not m._decoder.lut4:
+        if m._prepared.decoder is None or not m._prepared.decoder.lut4:
             continue
-        w = m._lut4_weight(lib)
+        w = m._prepared.lut4_weight(lib)
         ref = m.qweight.dequantize(torch.float32)
         got = w.decode(lib, 0, shape[0])[:, : shape[1]]
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (name, shape)
@@ -571,7 +573,7 @@ def test_batches_run_in_bf16_blocks_on_cpus_with_hardware_bf16(name, extra, monk
     assert_close_to_reference(m, x)
     tiles = ops.fast_bf16_matmul() and native.tiles(lib) and qm.tile_batch(rows, 256)
     m._forward_eager(x)  # the general path (forward's own tile call: tests/quant/test_tile_path.py)
-    if m.kernel == "int8pack" or m._decoder is not None and m._decoder.lut4:
+    if m.kernel == "int8pack" or m._prepared.decoder is not None and m._prepared.decoder.lut4:
         assert bool(tiled) == (ops.fast_bf16_matmul() and qm.tile_batch(rows, 256))
     if m.kernel == "int8pack":
         assert bool(calls) == (ops.fast_bf16_matmul() and not tiles)

@@ -117,7 +117,7 @@ def test_tile_batches_within_the_bf16_bound(scheme):
     xb = x.to(torch.bfloat16).double()
     if scheme == "int8":
         codes = q.qweight.codes.view(torch.int8).view(70, 320).double()
-        s = q._int8_scales_f32.double()
+        s = q._prepared.scales_f32.double()
         ref, bound = (xb @ codes.t()) * s, 320 * 2.0 ** -24 * (xb.abs() @ codes.abs().t()) * s + 1e-30
         bound = bound + ref.abs() * 2.0 ** -24
     else:

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from fewbits.kernels import native
 from fewbits.quant import QuantizedTensor, get_scheme, quantize
-from fewbits.quant import modules as qm
+from fewbits.quant import lowbit_ops as ops, modules as qm
 from fewbits.quant.modules import QuantLinear, available_kernels
 
 
@@ -83,7 +83,7 @@ def test_the_activations_are_quantized_as_quantize_does():
     codes = qx.codes.view(torch.int8).view(3, 256)
     scales = qx.scales.view(3, 8).float()
     lib = native.library()
-    assert torch.equal(q._w4a8w.linear(lib, x), q._w4a8w.matmul(lib, codes, scales))
+    assert torch.equal(q._prepared.w.linear(lib, x), q._prepared.w.matmul(lib, codes, scales))
 
 
 @needs_kernel
@@ -204,7 +204,7 @@ def test_broadcast_inputs_are_taken(shape):
 
 
 @needs_kernel
-@pytest.mark.skipif(not qm.ops.fast_bf16_matmul(), reason="the defect shows where bf16_blocks() is true")
+@pytest.mark.skipif(not ops.fast_bf16_matmul(), reason="the defect shows where bf16_blocks() is true")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_float16_and_float64_batches_are_not_multiplied_in_bfloat16(dtype):
     lin = _linear(96, 576, seed=1)
