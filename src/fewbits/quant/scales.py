@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import torch
 
 from ..formats import IntFormat, get_format
-from ..kernels import decode, encode, native, round as fb_round
+from ..kernels import decode, encode, round as fb_round
 from ..kernels.int8 import divide, reciprocal  # noqa: F401 - the scales' arithmetic, shared with int8 GEMMs
+from .kquant_search import (_float_min_params, _sqrt, _symmetric_params, group_params,  # noqa: F401 - names kept
+                            group_params_reference, group_sum, refine_codes)
+from .kquant_search import refine_codes as _refine_codes  # noqa: F401 - the name kernels.native's notes use
 from .scheme import DOUBLE_QUANT_BLOCK, QuantScheme, scale_format_of
 
 _E8M0_BIAS = 127
@@ -306,37 +308,9 @@ def gguf_elements(g: torch.Tensor, s: Scaling) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# two-level scales in super-blocks: GGUF's k-quants (Q4_K, Q5_K, Q6_K)
+# two-level scales in super-blocks: GGUF's k-quants (Q4_K, Q5_K, Q6_K); the searches of each
+# group's scale live in fewbits.quant.kquant_search
 # ---------------------------------------------------------------------------------------------
-# the candidate scales of the searches, as llama.cpp's reference k-quant quantizers try them:
-# float minimums (make_qkx2_quants): iscale = (nmax + rmin + rdelta * i) / (max - min), i = 0..nstep,
-# (rmin, rdelta, nstep) by element width (Q4_K, Q5_K); symmetric (make_qx_quants):
-# iscale = -(nmax + 0.1 * i) / max, i = -9..9
-_FLOAT_MIN_SEARCH = {4: (-1.0, 0.1, 20), 5: (-0.5, 0.1, 15)}
-_FLOAT_MIN_SEARCH_OTHER = (-1.0, 0.1, 20)
-_SYMMETRIC_STEPS = (0,) + tuple(i for i in range(-9, 10) if i)
-_SEARCH_VALUES = 1 << 20  # values searched at a time (the search works in float64)
-
-
-def group_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension in one fixed order, the order of every sum of the k-quant
-    searches, which their C kernel (kernels/csrc/kquant.c) follows too: halving, with m values
-    left and h = m // 2, a[i] = a[i] + a[i + m - h] for i < h, then m = m - h, until one is left
-    (32 values: a[i] + a[i + 16], then + 8, + 4, + 2, + 1; of an odd m the middle value is
-    carried on). torch's own .sum() order depends on the CPU's vector width and the tensor's
-    shape, so the searches spell theirs out: they give the same results on every CPU, device
-    and path. float64 in, float64 out; an empty last dimension sums to 0."""
-    m = t.shape[-1]
-    if m == 0:
-        return t.sum(-1)
-    while m > 1:
-        h = m // 2
-        head = t[..., :h] + t[..., m - h:m]
-        t = head if m == 2 * h else torch.cat([head, t[..., h:m - h]], dim=-1)
-        m -= h
-    return t[..., 0]
-
-
 def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     """The Scaling of a super-block scheme (see QuantScheme): each group's scale (and float
     minimum) by scale_method ("absmax": the group's plain range; "mse": the weighted least-squares
@@ -346,7 +320,7 @@ def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     round(scale / d) clamped to the sub-scale format, and the effective scale d * code (float32,
     exact). The minimums likewise (codes of -minimum, unsigned). With "mse" each group's codes
     are then chosen among the neighbours of scale / d (and -minimum / dmin), floor or ceil, by the
-    weighted error of its elements rounded under them (_refine_codes). Both searches run in C
+    weighted error of its elements rounded under them (kquant_search.refine_codes). Both searches run in C
     (kernels/csrc/kquant.c) where the native library serves, else in torch, with equal results.
     scaled() then rounds the elements
     under these final scales and minimums, as quantize() rounds every float-minimum or symmetric
@@ -366,7 +340,7 @@ def super_block_scaling(g: torch.Tensor, valid, scheme: QuantScheme) -> Scaling:
     if scheme.zero_point == "float":
         dmin, mcodes = _super_scales(neg_min, scheme, sub)
     if scheme.scale_method == "mse":
-        codes, mcodes = _refine_codes(g, valid, scheme, scale, neg_min, d, dmin)
+        codes, mcodes = refine_codes(g, valid, scheme, scale, neg_min, d, dmin)
     eff = expand_super(d, scheme, groups) * codes.to(torch.float32)
     if scheme.zero_point != "float":
         return Scaling(eff, reciprocal(eff), sub_codes=codes, super_scale=d)
@@ -399,241 +373,6 @@ def _super_scales(values: torch.Tensor, scheme: QuantScheme, sub) -> tuple[torch
     codes = torch.round(values / safe).clamp(sub.lowest, sub.max)
     codes = torch.where(d_exp == 0, torch.zeros_like(codes), codes)
     return d, codes.to(torch.int64)
-
-
-def _refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
-    """Each group's sub-scale codes (and sub-minimum codes) under the super-block scales d (dmin):
-    of the codes just below and just above scale / d (-minimum / dmin), the pair whose elements,
-    rounded under it, have the least weighted squared error (the weights of group_params); the
-    first of equal ones, in the order (floor, floor), (floor, ceil), (ceil, floor), (ceil, ceil).
-    By kquant.c where the native library serves (see group_params), else by
-    _refine_codes_reference; the two agree bit for bit."""
-    sub = scheme.sub_scale_format_of
-    groups = g.shape[1]
-
-    def neighbours(values, dd):
-        de = expand_super(dd, scheme, groups).to(torch.float64)
-        zero = de == 0
-        c = torch.floor(values / torch.where(zero, torch.ones_like(de), de))
-        pair = [c.clamp(sub.lowest, sub.max), (c + 1).clamp(sub.lowest, sub.max)]
-        return [torch.where(zero, torch.zeros_like(p), p) for p in pair], de
-
-    sc_pairs, de = neighbours(scale, d)
-    m_pairs = dme = None
-    if neg_min is not None:
-        m_pairs, dme = neighbours(neg_min, dmin)
-    lo_q, hi_q = _element_range(scheme)
-    lib = _kquant_library(g, valid)
-    if lib is not None:
-        codes, mcodes = native.kquant_refine(lib, g, valid, lo_q, hi_q, de, sc_pairs, dme, m_pairs)
-    else:
-        codes, mcodes = _refine_codes_reference(g, valid, scheme, de, sc_pairs, dme, m_pairs)
-    return codes.to(torch.int64), (mcodes.to(torch.int64) if mcodes is not None else None)
-
-
-def _element_range(scheme: QuantScheme) -> tuple[float, float]:
-    """The element grid of a super-block scheme: 0..2^b-1 (float minimums), else lowest..max."""
-    fmt = scheme.format
-    if scheme.zero_point == "float":
-        return 0.0, float(2 ** fmt.bits - 1)
-    return float(fmt.lowest), float(fmt.max)
-
-
-def _refine_codes_reference(g, valid, scheme, de, sc_pairs, dme, m_pairs):
-    """_refine_codes' choice in torch (the reference kquant.c is tested against): float64
-    codes [rows, groups] (and sub-minimum codes, or None)."""
-    rows, groups, n = g.shape
-    lo_q, hi_q = _element_range(scheme)
-    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
-    out_s, out_m = [], []
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        x = g[r0:r1].to(torch.float64)
-        w = _weights(x, valid, scheme)
-        best = best_s = best_m = None
-        for cs in sc_pairs:
-            for cm in (m_pairs if m_pairs is not None else [None]):
-                s_ = (de[r0:r1] * cs[r0:r1]).unsqueeze(-1)
-                m_ = -(dme[r0:r1] * cm[r0:r1]).unsqueeze(-1) if cm is not None else 0.0
-                q = torch.round((x - m_) / torch.where(s_ == 0, torch.ones_like(s_), s_)).clamp_(lo_q, hi_q)
-                err = group_sum(w * (q * s_ + m_ - x) ** 2)
-                if best is None:
-                    best, best_s, best_m = err, cs[r0:r1], (cm[r0:r1] if cm is not None else None)
-                    continue
-                better = err < best
-                best = torch.where(better, err, best)
-                best_s = torch.where(better, cs[r0:r1], best_s)
-                if cm is not None:
-                    best_m = torch.where(better, cm[r0:r1], best_m)
-        out_s.append(best_s)
-        out_m.append(best_m)
-    if not out_s:
-        empty = g.new_zeros((rows, groups), dtype=torch.float64)
-        return empty, (empty.clone() if m_pairs is not None else None)
-    return torch.cat(out_s), (torch.cat(out_m) if m_pairs is not None else None)
-
-
-def _kquant_library(g: torch.Tensor, valid):
-    """The native library where kquant.c takes this group view (CPU float32, groups of at most
-    256 values, not empty), else None (FEWBITS_NATIVE=0, no compiler, another device: torch)."""
-    if not g.numel() or not native.kquant_supported(g, valid):
-        return None
-    return native.library()
-
-
-def _sqrt(t: torch.Tensor) -> torch.Tensor:
-    """The square root rounded to nearest, as IEEE 754 and C's sqrt() define it: torch's own
-    float64 sqrt on the CPU is not always (MKL's: about 1 value in 100 comes out one ulp off),
-    so the CPU reference takes numpy's; CUDA's double sqrt is correctly rounded."""
-    if t.device.type == "cpu":
-        return torch.from_numpy(np.sqrt(t.detach().contiguous().numpy()))
-    return torch.sqrt(t)
-
-
-def _weights(x: torch.Tensor, valid, scheme: QuantScheme) -> torch.Tensor:
-    """The weights of the k-quant searches, as llama.cpp's reference quantizers weigh the error:
-    float minimums sqrt(mean x^2) + |x| (per group), symmetric x^2; 0 on padding. x: float64."""
-    if scheme.zero_point == "float":
-        count = x.shape[-1] if valid is None else valid.sum(-1).clamp(min=1)
-        w = x.abs() + _sqrt(group_sum(x * x) / count).unsqueeze(-1)
-    else:
-        w = x * x
-    if valid is not None:
-        w = torch.where(valid, w, torch.zeros_like(w))
-    return w
-
-
-def group_params(g: torch.Tensor, valid, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each group's (scale, -minimum) of a super-block scheme before the two-level rounding,
-    float64 [rows, groups] (symmetric: (signed scale, None)); in row chunks of bounded size.
-
-    Float minimums, unsigned grid 0..nmax (make_qkx2_quants' rule): min = min(group min, 0);
-    "absmax": scale = (max - min) / nmax; "mse": weights w = sqrt(mean x^2) + |x|, and for each
-    candidate iscale the codes L = clamp(round(iscale * (x - min)), 0, nmax) and the weighted
-    least-squares (scale, min) of x ~ scale * L + min (min held at 0 when the fit is positive);
-    the pair of least weighted squared error wins (the plain range is the first candidate).
-    Symmetric, grid lowest..max (make_qx_quants' rule, weights x^2): "absmax": amax / max;
-    "mse": for each candidate iscale = -(nmax + 0.1 i) / (the value of largest magnitude), with
-    nmax = -lowest, codes L = clamp(round(iscale * x), lowest, max) and scale = sum(w x L) /
-    sum(w L^2); the largest sum(w x L)^2 / sum(w L^2) (least weighted error) wins.
-    Padding entries have weight 0 and are left out of the minimum and maximum.
-
-    Every sum is a group_sum (its order fixed). "mse" runs in kquant.c where the native library
-    serves (CPU float32; fewbits.kernels.native), else as group_params_reference; the two agree
-    bit for bit (tests/quant/test_kquant_fast.py)."""
-    if scheme.scale_method == "mse":
-        lib = _kquant_library(g, valid)
-        if lib is not None:
-            if scheme.zero_point == "float":
-                return native.kquant_float_min(lib, g, valid, _element_range(scheme)[1],
-                                               _float_min_candidates(scheme))
-            lowest, top = _element_range(scheme)
-            return native.kquant_symmetric(lib, g, valid, lowest, top, _symmetric_candidates(scheme)), None
-    return group_params_reference(g, valid, scheme)
-
-
-def _float_min_candidates(scheme: QuantScheme) -> list[float]:
-    """The constants c of the float-minimum search's candidate scales c / (max - min)."""
-    nmax = float(2 ** scheme.format.bits - 1)
-    rmin, rdelta, nstep = _FLOAT_MIN_SEARCH.get(scheme.format.bits, _FLOAT_MIN_SEARCH_OTHER)
-    return [rmin + rdelta * i + nmax for i in range(nstep + 1)]
-
-
-def _symmetric_candidates(scheme: QuantScheme) -> list[float]:
-    """The constants c of the symmetric search's candidate scales c / (the value of largest
-    magnitude); the first is the plain range."""
-    nmax = -float(scheme.format.lowest)
-    return [-(nmax + 0.1 * i) for i in _SYMMETRIC_STEPS]
-
-
-def group_params_reference(g: torch.Tensor, valid, scheme: QuantScheme):
-    """group_params in torch, in row chunks of bounded size (the reference of kquant.c)."""
-    rows, groups, n = g.shape
-    step = max(1, _SEARCH_VALUES // max(groups * n, 1))
-    scales, mins = [], []
-    for r0 in range(0, rows, step):
-        x = g[r0:r0 + step].to(torch.float64)
-        if scheme.zero_point == "float":
-            s, m = _float_min_params(x, valid, scheme)
-            mins.append(m)
-        else:
-            s = _symmetric_params(x, valid, scheme)
-        scales.append(s)
-    if not scales:
-        empty = g.new_zeros((rows, groups), dtype=torch.float64)
-        return empty, (empty.clone() if scheme.zero_point == "float" else None)
-    return torch.cat(scales), (torch.cat(mins) if mins else None)
-
-
-def _float_min_params(x: torch.Tensor, valid, scheme: QuantScheme):
-    nmax = float(2 ** scheme.format.bits - 1)
-    inf = torch.tensor(float("inf"), dtype=x.dtype)
-    lo = (torch.where(valid, x, inf) if valid is not None else x).amin(-1)
-    lo = torch.where(lo < 0, lo, torch.zeros_like(lo))  # min(lo, 0), and +0.0 for either zero
-    hi = (torch.where(valid, x, -inf) if valid is not None else x).amax(-1)
-    span = hi - lo
-    flat = span <= 0  # constant (or all-zero) groups: scale 0, the minimum holds the value
-    safe_span = torch.where(flat, torch.ones_like(span), span)
-    scale = torch.where(flat, torch.zeros_like(span), span / nmax)
-    minimum = lo
-    if scheme.scale_method == "mse":
-        w = _weights(x, valid, scheme)
-        sw, sx, sx2 = group_sum(w), group_sum(w * x), group_sum(w * x * x)
-        xs = x - lo.unsqueeze(-1)
-
-        def weighted_error(s, m, sl, sl2, sxl):  # sum w (s L + m - x)^2, from the sums
-            return (s * s * sl2 + 2 * s * m * sl - 2 * s * sxl + m * m * sw - 2 * m * sx + sx2)
-
-        def sums(iscale):
-            L = torch.round(xs * iscale.unsqueeze(-1)).clamp_(0.0, nmax)
-            wl = w * L
-            return group_sum(wl), group_sum(wl * L), group_sum(wl * x)
-
-        best = weighted_error(scale, minimum, *sums(1.0 / torch.where(flat, torch.ones_like(scale), scale)))
-        for c in _float_min_candidates(scheme):
-            sl, sl2, sxl = sums(c / safe_span)  # torch: safe_span.reciprocal() * c
-            D = sw * sl2 - sl * sl
-            ok = (D > 0) & ~flat
-            safe_D = torch.where(ok, D, torch.ones_like(D))
-            s = (sw * sxl - sx * sl) / safe_D
-            m = (sl2 * sx - sl * sxl) / safe_D
-            positive = m > 0
-            s = torch.where(positive, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), s)
-            m = torch.where(positive, torch.zeros_like(m), m)
-            err = weighted_error(s, m, sl, sl2, sxl)
-            better = ok & (s > 0) & (err < best)
-            best = torch.where(better, err, best)
-            scale = torch.where(better, s, scale)
-            minimum = torch.where(better, m, minimum)
-    return scale, -minimum
-
-
-def _symmetric_params(x: torch.Tensor, valid, scheme: QuantScheme):
-    fmt = scheme.format
-    if scheme.scale_method != "mse":
-        return x.abs().amax(-1) / float(fmt.max)
-    lowest, top = float(fmt.lowest), float(fmt.max)
-    peak = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the value of largest magnitude
-    zero = peak == 0
-    safe_peak = torch.where(zero, torch.ones_like(peak), peak)
-    w = _weights(x, valid, scheme)
-    scale = best = None
-    for c in _symmetric_candidates(scheme):
-        iscale = c / safe_peak  # torch: safe_peak.reciprocal() * c
-        L = torch.round(x * iscale.unsqueeze(-1)).clamp_(lowest, top)
-        wl = w * L
-        sumlx, suml2 = group_sum(wl * x), group_sum(wl * L)
-        ok = suml2 > 0
-        safe_l2 = torch.where(ok, suml2, torch.ones_like(suml2))
-        s = sumlx / safe_l2
-        merit = sumlx * s  # sum(w x L)^2 / sum(w L^2): the larger, the smaller the weighted error
-        if scale is None:
-            scale, best = torch.where(ok, s, torch.zeros_like(s)), torch.where(ok, merit, torch.zeros_like(s))
-            continue
-        better = ok & (merit > best)
-        best = torch.where(better, merit, best)
-        scale = torch.where(better, s, scale)
-    return torch.where(zero, torch.zeros_like(scale), scale)
 
 
 def _mse_search(g, valid, scheme, candidate, quantize_dequantize):
