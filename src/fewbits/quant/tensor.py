@@ -11,6 +11,11 @@ Dequantization rule (what a QuantizedTensor means):
                -(super_minimum * sub-minimum code), each a float32 product, then as above
 - plain cast (scale_format "none"): x ~= decode(code)
 Elements are computed as round(x * (1 / scale)) in float32 (see fewbits.quant.scales).
+
+quantize() reads top-down: the scheme names a scale kind (scales.kind_of), the kind chooses the
+scales of the tensor's group view (or takes given ones), the elements scaled by them are encoded
+and packed into the codes, and the kind stores its scales beside them. Everything a kind's scales
+are (chosen, stored, their shapes, read back) lives in its class in fewbits.quant.scales.
 """
 from __future__ import annotations
 
@@ -18,14 +23,13 @@ import math
 
 import torch
 
-from ..formats import FLOAT_DTYPES, IntFormat, LookupFormat, torch_dtype
+from ..formats import FLOAT_DTYPES, IntFormat, LookupFormat
 from ..kernels import decode, encode, pack, unpack
 from . import scales as sc
 from .scheme import QuantScheme, get_scheme
 
-# scales as stored: the float formats in their own torch dtype, E8M0 / E4M3 as their uint8 codes
-_SCALE_DTYPES = {**{f: torch_dtype(f) for f in ("fp32", "fp16", "bf16")}, "e8m0": torch.uint8, "e4m3": torch.uint8}
-_PACK_ORDER = "low_first"
+_SCALE_DTYPES = sc.SCALE_DTYPES  # scales as stored (the float formats' dtypes; E8M0 / E4M3 codes: uint8)
+_PACK_ORDER = sc.PACK_ORDER
 STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_scales", "dq_offset", "minimums",
               "sub_scales", "super_scales", "sub_minimums", "super_minimums")
 
@@ -95,30 +99,8 @@ def state_shapes(scheme: QuantScheme, shape) -> dict[str, tuple[tuple[int, ...],
     n = rows * pcols
     bits = s.format.bits
     out = {"codes": ((-(-n * bits // 8),), torch.uint8) if bits <= 8 else ((n,), torch.int16)}
-    if s.scale_format == "none":
-        return out
-    n_sc = rows * groups
-    if s.super_block is not None:  # two-level: packed sub-scale codes, super-block scales
-        _, supers, _ = s.super_layout(shape)
-        sub_bytes = ((-(-n_sc * s.sub_scale_format_of.bits // 8),), torch.uint8)
-        out["sub_scales"] = sub_bytes
-        out["super_scales"] = ((rows, supers), _SCALE_DTYPES[s.scale_format])
-        if s.zero_point == "float":
-            out["sub_minimums"] = sub_bytes
-            out["super_minimums"] = ((rows, supers), _SCALE_DTYPES[s.scale_format])
-        return out
-    if s.double_quant:
-        out["dq_codes"] = ((n_sc,), torch.int8)
-        out["dq_scales"] = ((-(-n_sc // sc.DOUBLE_QUANT_BLOCK),), torch.float32)
-        out["dq_offset"] = ((), torch.float32)
-    else:
-        out["scales"] = ((rows, groups), _SCALE_DTYPES[s.scale_format])
-    if s.zero_point == "float":
-        out["minimums"] = ((rows, groups), _SCALE_DTYPES[s.scale_format])
-    elif not s.symmetric:
-        out["zero_points"] = ((-(-n_sc * bits // 8),), torch.uint8)
-    if s.granularity == "nvfp4":
-        out["tensor_scale"] = ((), torch.float32)
+    if s.scale_format != "none":
+        out.update(sc.stored_shapes(s, shape, rows, groups))
     return out
 
 
@@ -225,9 +207,10 @@ class QuantizedTensor:
     def minimum_values(self) -> torch.Tensor | None:
         """Float32 minimums [rows, groups] (zero_point="float" schemes), else None. Super-block
         schemes: -(super_minimum * code), the float32 product GGUF's dequantization subtracts."""
-        if self.sub_minimums is not None:
-            return -self._two_level(minimums=True)
-        return self.minimums.to(torch.float32) if self.minimums is not None else None
+        if self.scheme.scale_format == "none":
+            return None
+        rows, _, _, groups = self._layout()
+        return sc.minimum_values(self, rows, groups)
 
     def sub_scale_codes(self, minimums: bool = False) -> torch.Tensor:
         """The integer sub-scale codes [rows, groups] (int64, in the sub-scale format: int8 gives
@@ -239,31 +222,14 @@ class QuantizedTensor:
         packed = self.sub_minimums if minimums else self.sub_scales
         if packed is None:
             raise ValueError(f"{s.label} has no float minimums")
-        sub = s.sub_scale_format_of
-        raw = unpack(packed, sub.bits, rows * groups, order=_PACK_ORDER).reshape(rows, groups)
-        return decode(raw, sub).to(torch.int64)
-
-    def _two_level(self, minimums: bool) -> torch.Tensor:
-        """float32 super-block value times the float32 sub-scale code, per group [rows, groups]."""
-        codes = self.sub_scale_codes(minimums)
-        supers = self.super_minimums if minimums else self.super_scales
-        return sc.expand_super(supers.to(torch.float32), self.scheme, codes.shape[1]) * codes.to(torch.float32)
+        return sc.SuperBlockScales.sub_codes(s, packed, rows, groups)
 
     def scale_values(self) -> torch.Tensor | None:
         """Float32 scales [rows, groups] that multiply the element values (after double-quant)."""
-        s = self.scheme
-        rows, _, _, groups = self._layout()
-        if s.scale_format == "none":
+        if self.scheme.scale_format == "none":
             return None
-        if s.double_quant:
-            return sc.double_dequantize(self.dq_codes, self.dq_scales, self.dq_offset).reshape(rows, groups)
-        if s.super_block is not None:
-            return self._two_level(minimums=False)
-        if s.granularity == "mx":
-            return sc.mx_scale_values(self.scales, s)
-        if s.granularity == "nvfp4":
-            return sc.nvfp4_scale_values(self.scales, self.tensor_scale)
-        return self.scales.to(torch.float32)
+        rows, _, _, groups = self._layout()
+        return sc.scale_values(self, rows, groups)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values this tensor stands for, in `dtype` (default: the original dtype)."""
@@ -366,46 +332,9 @@ def codes_outside_format(qt: QuantizedTensor) -> str | None:
     return None
 
 
-
 # ---------------------------------------------------------------------------------------------
-# quantize
+# quantize: scheme -> scale kind -> scales -> codes
 # ---------------------------------------------------------------------------------------------
-def _given(t, what, scheme, shape, dtype) -> torch.Tensor:
-    want = scheme.scales_shape(shape)
-    if t is None:
-        raise ValueError(f"{what} are needed (shape {want})")
-    t = torch.as_tensor(t)
-    if tuple(t.shape) != tuple(want):
-        raise ValueError(f"{what} must have shape {want} for a tensor of shape {tuple(shape)} in {scheme.label}, "
-                         f"got {tuple(t.shape)}")
-    return t.to(dtype)
-
-
-def rounding_generator(scheme: QuantScheme, device) -> torch.Generator | None:
-    """The generator quantize() draws stochastic rounding from: a fresh one seeded with
-    scheme.seed (None unless the scheme rounds stochastically)."""
-    if scheme.mode != "stochastic":
-        return None
-    return torch.Generator(device=device).manual_seed(scheme.seed)
-
-
-def _given_scaling(scheme: QuantScheme, shape, scales, zero_points) -> sc.Scaling:
-    """The Scaling of scales (and zero points or float minimums) given to quantize()."""
-    scale = sc.round_scales(_given(scales, "scales", scheme, shape, torch.float32), scheme.scale_format)
-    scaling = sc.Scaling(scale, sc.reciprocal(scale))
-    if scheme.zero_point == "float":
-        mins = _given(zero_points, "zero_points (float minimums)", scheme, shape, torch.float32)
-        if not bool(torch.isfinite(mins).all()):
-            raise ValueError("the float minimums (zero_points) must be finite")
-        scaling.minimum = sc.round_scales(mins, scheme.scale_format)
-    elif not scheme.symmetric:
-        zp = _given(zero_points, "zero_points", scheme, shape, torch.int64)
-        if int(zp.min()) < 0 or int(zp.max()) > 2 ** scheme.format.bits - 1:
-            raise ValueError(f"zero points must lie in 0..{2 ** scheme.format.bits - 1}")
-        scaling.zero_point = zp
-    return scaling
-
-
 def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
              zero_points: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name).
@@ -421,27 +350,16 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize() takes a float tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     x = x.detach()
-    fmt = scheme.format
     gen = rounding_generator(scheme, x.device)
-    if scheme.scale_format == "none":
+    if scheme.scale_format == "none":  # a plain cast: the codes are the values' own bit patterns
+        fmt = scheme.format
         codes = encode(x.reshape(-1), fmt, mode=scheme.mode, generator=gen)
         stored = codes.to(torch.int16) if fmt.bits > 8 else pack(codes.to(torch.uint8), fmt.bits, order=_PACK_ORDER)
         return QuantizedTensor(scheme, x.shape, x.dtype, stored)
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
+    _check_finite(x)
     g, valid = to_groups(x, scheme)
-    if scales is not None and scheme.granularity in ("mx", "nvfp4"):
-        raise ValueError(f"{scheme.granularity} scales follow their recipe; they cannot be given")
-    if scales is not None and scheme.super_block is not None:
-        raise ValueError("super-block scales are codes times super-block scales, not float scales: they cannot be "
-                         "given to quantize() (quantize_scaled takes a whole Scaling)")
-    if zero_points is not None and (scales is None or scheme.symmetric):
-        raise ValueError("zero_points go with given scales of an asymmetric scheme")
-    if scales is not None:
-        scaling = _given_scaling(scheme, x.shape, scales, zero_points)
-    else:
-        scaling = sc.choose(g, valid, scheme)
-    return _quantize_groups(x, scheme, g, scaling, gen)
+    y, stored = sc.scale_groups(g, valid, scheme, x.shape, scales, zero_points)
+    return _encoded(x, scheme, y, stored, gen)
 
 
 def quantize_scaled(x: torch.Tensor, scheme, scaling: sc.Scaling) -> QuantizedTensor:
@@ -449,46 +367,30 @@ def quantize_scaled(x: torch.Tensor, scheme, scaling: sc.Scaling) -> QuantizedTe
     GPTQ assembles one for super-block schemes from the scalings it chose super-block by
     super-block. The Scaling is trusted to fit the scheme and shape; the result is validated."""
     scheme = get_scheme(scheme)
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
-    g, _ = to_groups(x.detach(), scheme)
-    return _quantize_groups(x.detach(), scheme, g, scaling, rounding_generator(scheme, x.device))
+    _check_finite(x)
+    x = x.detach()
+    g, _ = to_groups(x, scheme)
+    y, stored = sc.scale_groups(g, None, scheme, x.shape, scaling=scaling)
+    return _encoded(x, scheme, y, stored, rounding_generator(scheme, x.device))
 
 
-def _quantize_groups(x, scheme: QuantScheme, g, scaling: sc.Scaling, gen) -> QuantizedTensor:
-    """The QuantizedTensor of x (its group view g) under `scaling`: elements and scales stored."""
+def _encoded(x, scheme: QuantScheme, y: torch.Tensor, scale_parts: dict, gen) -> QuantizedTensor:
+    """The QuantizedTensor of x whose scaled elements are y (its group view, scaled): y rounded to
+    the element codes and packed, beside the scale tensors its scale kind stores."""
     fmt = scheme.format
-    y = scaling.scaled(g)
-    if scheme.super_block is not None:
-        parts = _super_block_parts(scheme, scaling)
-        codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
-        return QuantizedTensor(scheme, x.shape, x.dtype, pack(codes, fmt.bits, order=_PACK_ORDER), **parts)
-    stored_as = _SCALE_DTYPES[scheme.scale_format]
-    parts = {"scales": scaling.codes if scaling.codes is not None else scaling.scale.to(stored_as)}
-    if scaling.tensor_scale is not None:
-        parts["tensor_scale"] = scaling.tensor_scale
-    if scaling.minimum is not None:
-        parts["minimums"] = scaling.minimum.to(stored_as)
-    if scaling.zero_point is not None:
-        parts["zero_points"] = pack(scaling.zero_point.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
     codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
     stored = pack(codes, fmt.bits, order=_PACK_ORDER) if fmt.bits <= 8 else codes.to(torch.int16)
-    if scheme.double_quant:
-        q, bs, off = sc.double_quantize(parts.pop("scales").to(torch.float32))
-        parts.update(dq_codes=q, dq_scales=bs, dq_offset=off)
-    return QuantizedTensor(scheme, x.shape, x.dtype, stored, **parts)
+    return QuantizedTensor(scheme, x.shape, x.dtype, stored, **scale_parts)
 
 
-def _super_block_parts(scheme: QuantScheme, scaling: sc.Scaling) -> dict[str, torch.Tensor]:
-    """The stored tensors of a super-block Scaling: packed sub-scale codes, super-block scales."""
-    sub = scheme.sub_scale_format_of
-    stored_as = _SCALE_DTYPES[scheme.scale_format]
+def _check_finite(x: torch.Tensor) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf, which a scaled quantization cannot represent")
 
-    def packed(codes):
-        bits = encode(codes.reshape(-1).to(torch.float32), sub)
-        return pack(bits.to(torch.uint8), sub.bits, order=_PACK_ORDER)
 
-    parts = {"sub_scales": packed(scaling.sub_codes), "super_scales": scaling.super_scale.to(stored_as)}
-    if scaling.sub_min_codes is not None:
-        parts.update(sub_minimums=packed(scaling.sub_min_codes), super_minimums=scaling.super_minimum.to(stored_as))
-    return parts
+def rounding_generator(scheme: QuantScheme, device) -> torch.Generator | None:
+    """The generator quantize() draws stochastic rounding from: a fresh one seeded with
+    scheme.seed (None unless the scheme rounds stochastically)."""
+    if scheme.mode != "stochastic":
+        return None
+    return torch.Generator(device=device).manual_seed(scheme.seed)
