@@ -43,7 +43,7 @@ def cpu_name() -> str:
 
 
 def build(out_dir: Path, name: str, defines: list[str]) -> ctypes.CDLL:
-    src = Path(native.__file__).with_name("csrc")
+    src = native.SOURCE_DIR
     out = out_dir / f"lib_{name.replace(' ', '_')}.so"
     cmd = ["gcc", *native.CFLAGS, *native.OPENMP_FLAGS, *defines, "-o", str(out), *(str(src / s) for s in native.SOURCES), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)

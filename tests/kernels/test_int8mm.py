@@ -13,15 +13,13 @@ baseline x86-64, as AMD and older machines build it.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fewbits.kernels import int8, native
 from helpers import build_c_source
 
-SRC = Path(native.__file__).with_name("csrc") / "int8mm.c"
+SRC = native.SOURCE_DIR / "int8mm.c"
 BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 

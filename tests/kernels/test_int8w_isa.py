@@ -3,15 +3,13 @@ scalar C -- against the float64 product with the dequantized weight: every outpu
 summation error (each output is the float32 sum of code times x, times its row's scale once)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fewbits.kernels import native
 from helpers import build_c_source
 
-SRC = Path(native.__file__).with_name("csrc") / "int8w.c"
+SRC = native.SOURCE_DIR / "int8w.c"
 BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 

@@ -12,15 +12,13 @@ up one at a time), and every build must give:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fewbits.kernels import native
 from helpers import build_c_source
 
-SRC = Path(native.__file__).with_name("csrc") / "lut4.c"
+SRC = native.SOURCE_DIR / "lut4.c"
 BUILDS = ["native", "skylake-avx512", "x86-64-v3", "x86-64"]  # skylake-avx512: AVX-512 without VBMI
 
 

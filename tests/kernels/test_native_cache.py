@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fewbits.kernels import native
+from fewbits.kernels.native import loader as native
 
 HAVE_CC = native._compiler() is not None
 pytestmark = pytest.mark.skipif(not HAVE_CC or not os.path.isdir("/proc/self/fd"),
@@ -274,7 +274,7 @@ def test_a_matching_library_is_loaded_not_rebuilt(cache, built, fake_compiler):
 TRUNCATION_SCRIPT = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from fewbits.kernels import native
+    from fewbits.kernels.native import loader as native
     lib_path, good = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes()
     def compile_(cc, dfd, out_name):  # the compiler's output, without spending a compile on it
         fd = os.open(out_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700, dir_fd=dfd)
@@ -379,7 +379,7 @@ def test_loading_works_without_flock_and_keeps_a_live_builds_files(cache, built,
 CONCURRENT_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from fewbits.kernels import native
+    from fewbits.kernels.native import loader as native
     good, compiled = Path(sys.argv[1]).read_bytes(), []
     def compile_(cc, dfd, out_name):  # a slow compiler: the other process comes while it runs
         compiled.append(out_name)

@@ -5,15 +5,13 @@ one inside the native build. The reference below spells out w4a8.c's header: exa
 per lane of 8 columns, then float32 operations in a fixed order."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fewbits.kernels import native
 from helpers import build_c_source
 
-SRC = Path(native.__file__).with_name("csrc") / "w4a8.c"
+SRC = native.SOURCE_DIR / "w4a8.c"
 BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 
