@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from .shared import NONFINITE_ACTIVATIONS, streamed
+from .shared import check_rc, rc_check, streamed
 
 
 def declare_int8mm(lib: ctypes.CDLL) -> None:
@@ -88,13 +88,9 @@ def vnni_w8a8_ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.fb_vnni_ready())
 
 
-def w8a8_amx_row_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_w8a8_amx_row."""
-    if rc == -3:
-        raise ValueError(NONFINITE_ACTIVATIONS)
-    if rc:
-        raise (MemoryError("the w8a8 row kernel could not allocate its buffer") if rc == -2
-               else RuntimeError("the w8a8 row kernel cannot run here"))
+# raises for a non-zero return code of fb_w8a8_amx_row
+w8a8_amx_row_rc = rc_check("the w8a8 row kernel cannot run here", "the w8a8 row kernel could not allocate its buffer",
+                           nonfinite=True)
 
 
 class _W8A8Row(ctypes.Structure):
@@ -179,8 +175,7 @@ class Int8Panels:
         else:
             rc, y = _amx_gemm_panels(lib, q, self.panels, self.n, sx.reshape(-1).expand(m).contiguous(), sw, bias,
                                      torch.float32)
-        if rc != 0:
-            raise RuntimeError("the int8 panel kernels refused their arguments")
+        check_rc(rc, "the int8 panel kernels refused their arguments")
         return y
 
 

@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from .lut4 import tiles
-from .shared import streamed
+from .shared import rc_check, streamed
 
 
 def declare_int8w(lib: ctypes.CDLL) -> None:
@@ -25,11 +25,8 @@ def declare_int8w(lib: ctypes.CDLL) -> None:
     lib.fb_int8w_max_rows.restype = i32
 
 
-def int8w_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_int8w_matmul / fb_int8w_row / fb_int8w_tile_matmul."""
-    if rc:
-        raise (MemoryError("the int8 kernel could not allocate its buffers") if rc == -2
-               else RuntimeError("the int8 kernel refused its arguments"))
+# raises for a non-zero return code of fb_int8w_matmul / fb_int8w_row / fb_int8w_tile_matmul
+int8w_rc = rc_check("the int8 kernel refused its arguments", "the int8 kernel could not allocate its buffers")
 
 
 class _Int8WRow(ctypes.Structure):

@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from .shared import PARAM_KINDS, streamed
+from .shared import PARAM_KINDS, check_rc, rc_check, streamed
 
 
 def declare_lut4(lib: ctypes.CDLL) -> None:
@@ -54,11 +54,9 @@ def tiles_kind(lib: ctypes.CDLL) -> int:
     return int(lib.fb_tiles())
 
 
-def lut4_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_lut4_matmul / fb_lut4_row / fb_lut4_tile_matmul."""
-    if rc:
-        raise (MemoryError("the lut4 kernel could not allocate its copy of x or its scratch") if rc == -2
-               else RuntimeError("the lut4 kernel refused its arguments"))
+# raises for a non-zero return code of fb_lut4_matmul / fb_lut4_row / fb_lut4_tile_matmul
+lut4_rc = rc_check("the lut4 kernel refused its arguments",
+                   "the lut4 kernel could not allocate its copy of x or its scratch")
 
 
 class _Lut4Row(ctypes.Structure):
@@ -215,7 +213,5 @@ class Lut4Weight:
             out = out.reshape(-1)[:count].view(r1 - r0, self.row_len)
         rc = lib.fb_lut4_decode(self._codes.data_ptr(), self._params_ref, self._table.data_ptr(), self.row_len,
                                 self.group, r0, r1, out.data_ptr(), 1 if dtype == torch.bfloat16 else 0)
-        if rc:
-            raise (MemoryError("fb_lut4_decode could not allocate its scratch") if rc == -2
-                   else RuntimeError("fb_lut4_decode refused its arguments"))
+        check_rc(rc, "fb_lut4_decode refused its arguments", "fb_lut4_decode could not allocate its scratch")
         return out

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from .shared import NONFINITE_ACTIVATIONS, PARAM_KINDS, streamed
+from .shared import PARAM_KINDS, check_rc, rc_check, streamed
 
 
 def declare_w4a8(lib: ctypes.CDLL) -> None:
@@ -26,17 +26,12 @@ def declare_w4a8(lib: ctypes.CDLL) -> None:
 
 def _w4a8_rc(rc: int, what: str) -> None:
     """Raise for w4a8.c's return codes: -3 NaN / inf activations, -2 no memory, -1 refused."""
-    if rc == -3:
-        raise ValueError(NONFINITE_ACTIVATIONS)
-    if rc == -2:
-        raise MemoryError(f"{what} could not allocate its scratch")
-    if rc:
-        raise RuntimeError(f"{what} refused its arguments")
+    check_rc(rc, f"{what} refused its arguments", f"{what} could not allocate its scratch", nonfinite=True)
 
 
-def w4a8_row_rc(rc: int) -> None:
-    """Raise for a non-zero return code of fb_w4a8_row (fb_w4a8_linear's)."""
-    _w4a8_rc(rc, "fb_w4a8_linear")
+# raises for a non-zero return code of fb_w4a8_row (fb_w4a8_linear's)
+w4a8_row_rc = rc_check("fb_w4a8_linear refused its arguments", "fb_w4a8_linear could not allocate its scratch",
+                       nonfinite=True)
 
 
 class _W4A8Row(ctypes.Structure):
