@@ -152,14 +152,13 @@ def _symmetric_params(x: torch.Tensor, valid, scheme: QuantScheme):
 # ---------------------------------------------------------------------------------------------
 # the sub-scale codes under the super-block scales
 # ---------------------------------------------------------------------------------------------
-def refine_codes(g, valid, scheme, scale, neg_min, d, dmin):
+def refine_codes(g, valid, scheme, sub, scale, neg_min, d, dmin):
     """Each group's sub-scale codes (and sub-minimum codes) under the super-block scales d (dmin):
     of the codes just below and just above scale / d (-minimum / dmin), the pair whose elements,
     rounded under it, have the least weighted squared error (the weights of group_params); the
     first of equal ones, in the order (floor, floor), (floor, ceil), (ceil, floor), (ceil, ceil).
     By kquant.c where the native library serves (see group_params), else by
-    refine_codes_reference; the two agree bit for bit."""
-    sub = scheme.sub_scale_format_of
+    refine_codes_reference; the two agree bit for bit. sub: the sub-scale format (an IntFormat)."""
     groups = g.shape[1]
     per = scheme.super_block // scheme.group_size
     lowest, top = sub.lowest, sub.max

@@ -404,7 +404,7 @@ class SuperBlockScales(ScaleKind):
         if scheme.zero_point == "float":
             dmin, mcodes = _super_scales(neg_min, scheme, sub)
         if scheme.scale_method == "mse":
-            codes, mcodes = refine_codes(g, valid, scheme, scale, neg_min, d, dmin)
+            codes, mcodes = refine_codes(g, valid, scheme, sub, scale, neg_min, d, dmin)
         eff = expand_super(d, scheme, groups) * codes.to(torch.float32)
         if scheme.zero_point != "float":
             return Scaling(eff, reciprocal(eff), sub_codes=codes, super_scale=d)
@@ -420,9 +420,10 @@ class SuperBlockScales(ScaleKind):
         sub = scheme.sub_scale_format_of
         stored_as = SCALE_DTYPES[scheme.scale_format]
 
-        def packed(codes):
-            bits = encode(codes.reshape(-1).to(torch.float32), sub)
-            return pack(bits.to(torch.uint8), sub.bits, order=PACK_ORDER)
+        bits, mask = sub.bits, (1 << sub.bits) - 1
+
+        def packed(codes):  # integers of the sub-scale format: their bit patterns are their low bits
+            return pack((codes.reshape(-1).to(torch.int64) & mask).to(torch.uint8), bits, order=PACK_ORDER)
 
         parts = {"sub_scales": packed(scaling.sub_codes), "super_scales": scaling.super_scale.to(stored_as)}
         if scaling.sub_min_codes is not None:
@@ -675,14 +676,15 @@ def _super_scales(values: torch.Tensor, scheme: QuantScheme, sub) -> tuple[torch
     per = scheme.super_block // scheme.group_size
     supers = -(-groups // per)
     v = torch.nn.functional.pad(values, (0, supers * per - groups)).reshape(rows, supers, per)
+    lowest, top_code = sub.lowest, sub.max
     if sub.signed:
-        top = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1) / float(sub.lowest)
+        top = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1) / float(lowest)
     else:
-        top = v.amax(-1).clamp(min=0.0) / float(sub.max)
+        top = v.amax(-1).clamp(min=0.0) / float(top_code)
     d = round_scales(top.to(torch.float32), scheme.scale_format)
     d_exp = expand_super(d, scheme, groups).to(torch.float64)
     safe = torch.where(d_exp == 0, torch.ones_like(d_exp), d_exp)
-    codes = torch.round(values / safe).clamp(sub.lowest, sub.max)
+    codes = torch.round(values / safe).clamp(lowest, top_code)
     codes = torch.where(d_exp == 0, torch.zeros_like(codes), codes)
     return d, codes.to(torch.int64)
 

@@ -40,11 +40,12 @@ STATE_KEYS = ("codes", "scales", "zero_points", "tensor_scale", "dq_codes", "dq_
 _MAX_PADDING = 16  # how many times x's size a zero-padded group view may be (beyond 2^20 values)
 
 
-def check_padding(scheme: QuantScheme, shape):
+def check_padding(scheme: QuantScheme, shape, layout=None):
     """Refuse, before anything is allocated, a group longer than a row when padding the rows to
     it would make the group view many times larger than the tensor (group_size=10**9 on an 8x64
-    tensor: 8e9 values). A group somewhat longer than a short row (128 on 64) stays allowed."""
-    rows, cols, pcols, _ = scheme.layout(shape)
+    tensor: 8e9 values). A group somewhat longer than a short row (128 on 64) stays allowed.
+    layout: scheme.layout(shape), where the caller has it."""
+    rows, cols, pcols, _ = layout or scheme.layout(shape)
     if pcols > cols and rows * pcols > max(_MAX_PADDING * rows * cols, 1 << 20):
         raise ValueError(f"group_size {scheme.group_size} is longer than the rows of this {tuple(shape)} tensor "
                          f"({cols} values each): padding each row to one group would make {rows * pcols} values, "
@@ -55,8 +56,9 @@ def check_padding(scheme: QuantScheme, shape):
 def to_groups(x: torch.Tensor, scheme: QuantScheme):
     """float32 group view [rows, groups, group_size] (zero-padded) and the mask of real entries
     (None when nothing is padded)."""
-    check_padding(scheme, x.shape)
-    rows, cols, pcols, groups = scheme.layout(x.shape)
+    layout = scheme.layout(x.shape)
+    check_padding(scheme, x.shape, layout)
+    rows, cols, pcols, groups = layout
     g = scheme.granularity
     if g == "tensor":
         m = x.reshape(1, -1)
@@ -143,13 +145,13 @@ class QuantizedTensor:
     # --- construction checks (also guard loading from files) --------------------------------
     def _validate(self):
         s = self.scheme
-        expected = expected_keys(s)
-        extra = [k for k in STATE_KEYS if k not in expected and getattr(self, k) is not None]
+        shapes = state_shapes(s, self.shape)
+        extra = [k for k in STATE_KEYS if k not in shapes and getattr(self, k) is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)} not used by scheme {s.label}")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
-        for name, (shape, dtype) in state_shapes(s, self.shape).items():
+        for name, (shape, dtype) in shapes.items():
             t = getattr(self, name)
             if t is None:
                 raise ValueError(f"{name} is missing for scheme {s.label}")
@@ -378,8 +380,9 @@ def _encoded(x, scheme: QuantScheme, y: torch.Tensor, scale_parts: dict, gen) ->
     """The QuantizedTensor of x whose scaled elements are y (its group view, scaled): y rounded to
     the element codes and packed, beside the scale tensors its scale kind stores."""
     fmt = scheme.format
+    bits = fmt.bits
     codes = encode(y, fmt, mode=scheme.mode, overflow="saturate", generator=gen).reshape(-1)
-    stored = pack(codes, fmt.bits, order=_PACK_ORDER) if fmt.bits <= 8 else codes.to(torch.int16)
+    stored = pack(codes, bits, order=_PACK_ORDER) if bits <= 8 else codes.to(torch.int16)
     return QuantizedTensor(scheme, x.shape, x.dtype, stored, **scale_parts)
 
 
