@@ -11,7 +11,8 @@ checks that every one gives a reason):
 
     <!-- not run: REASON -->               never run here (installs, minutes of work, your files)
     <!-- slow: REASON -->                  run only with `pytest -m slow`
-    <!-- output: numbers vary -->          compare the output with every number a wildcard
+    <!-- output: numbers vary -->          compare the output with every number (and a table's
+                                           rule of dashes, as wide as they) a wildcard
     <!-- output not compared: REASON -->   run, check that it succeeds, ignore what it prints
 
 Output shown on the page is compared line by line: each of its non-blank lines (a line `...`
@@ -156,6 +157,7 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr reach the pipe in the order printed
     env.setdefault("OMP_NUM_THREADS", "1")  # the machines running tests are small and shared
     return env
 
@@ -188,6 +190,8 @@ def _pattern(line: str, numbers_vary: bool) -> re.Pattern:
             continue
         if p.isspace():
             out.append(r"\s+")
+        elif numbers_vary and re.fullmatch(r"-{3,}", p):
+            out.append("-+")  # a table's rule: as wide as the numbers under it
         elif numbers_vary:
             pieces = re.split(r"(\d+(?:[.,]\d+)*)", p)
             out.append("".join(r"[\d.,]+" if k % 2 else re.escape(s) for k, s in enumerate(pieces)))
@@ -221,9 +225,9 @@ def _run(block: Block, tmp_path: Path, limit: int):
     else:
         runs = [(["bash", "-euo", "pipefail", "-c", cmd], shown, cmd) for cmd, shown in _commands(block)]
     for argv, shown, what in runs:
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=limit)
-        printed = proc.stdout + proc.stderr
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=limit)
+        printed = proc.stdout  # stdout and stderr interleaved, as on a terminal
         assert proc.returncode == 0, f"{block.id}: exit {proc.returncode} from\n{what}\n{printed[-4000:]}"
         if compare and shown:
             _check_output(shown, printed, numbers_vary, block.id)
