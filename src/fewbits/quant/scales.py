@@ -419,7 +419,6 @@ class SuperBlockScales(ScaleKind):
     def store(self, scaling, scheme):
         sub = scheme.sub_scale_format_of
         stored_as = SCALE_DTYPES[scheme.scale_format]
-
         bits, mask = sub.bits, (1 << sub.bits) - 1
 
         def packed(codes):  # integers of the sub-scale format: their bit patterns are their low bits

@@ -12,10 +12,11 @@ Dequantization rule (what a QuantizedTensor means):
 - plain cast (scale_format "none"): x ~= decode(code)
 Elements are computed as round(x * (1 / scale)) in float32 (see fewbits.quant.scales).
 
-quantize() reads top-down: the scheme names a scale kind (scales.kind_of), the kind chooses the
-scales of the tensor's group view (or takes given ones), the elements scaled by them are encoded
-and packed into the codes, and the kind stores its scales beside them. Everything a kind's scales
-are (chosen, stored, their shapes, read back) lives in its class in fewbits.quant.scales.
+quantize() reads top-down: the tensor's group view (to_groups), then one visit to the scales
+(scales.scale_groups: the scheme's scale kind chooses the scales, or takes given ones, scales the
+elements by them and stores them), then the scaled elements encoded and packed into the codes.
+Everything a kind's scales are (chosen, stored, their shapes, read back) lives in its class in
+fewbits.quant.scales.
 """
 from __future__ import annotations
 
