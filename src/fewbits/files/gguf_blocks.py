@@ -28,7 +28,7 @@ and m[j + 4] (high). Nibbles: byte 32c + l holds element 64c + l (low) and 64c +
 Q6_K, per half h of 128 values: ql[64h + l] holds elements 128h + l (low) and 128h + 64 + l
 (high), ql[64h + 32 + l] elements 128h + 32 + l and 128h + 96 + l; qh[32h + l] bits 4-5 of
 elements 128h + l, +32, +64, +96 in bit pairs 0, 2, 4, 6. The gguf package only dequantizes
-these types; fewbits chooses the codes (fewbits.quant.scales.super_block_scaling, or GPTQ), and
+these types; fewbits chooses the codes (fewbits.quant.scales.SuperBlockScales, or GPTQ), and
 gguf.quants.dequantize of the bytes equals QuantizedTensor.dequantize() bit for bit.
 
 Known difference: a block whose scale overflows fp16 (Q8_0: |x| > 65504 * 127) gets an infinite d

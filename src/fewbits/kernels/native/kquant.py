@@ -44,7 +44,7 @@ def _f64(values) -> torch.Tensor:
 
 def kquant_float_min(lib, g: torch.Tensor, valid, nmax: float, candidates) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, -minimum) float64 [rows, groups] of the k-quants' float-minimum search
-    (fewbits.quant.scales._float_min_params with scale_method "mse"); candidates: the
+    (fewbits.quant.kquant_search._float_min_params with scale_method "mse"); candidates: the
     constants c of the candidate scales c / (max - min)."""
     g, mask, count, groups, n = _kquant_args(g, valid)
     cands = _f64(candidates)
@@ -57,7 +57,7 @@ def kquant_float_min(lib, g: torch.Tensor, valid, nmax: float, candidates) -> tu
 
 def kquant_symmetric(lib, g: torch.Tensor, valid, lowest: float, top: float, candidates) -> torch.Tensor:
     """The signed scale float64 [rows, groups] of the k-quants' symmetric search
-    (fewbits.quant.scales._symmetric_params with "mse"); candidates: the constants c of the
+    (fewbits.quant.kquant_search._symmetric_params with "mse"); candidates: the constants c of the
     candidate scales c / (the value of largest magnitude), the first one the plain range."""
     g, mask, count, groups, n = _kquant_args(g, valid)
     cands = _f64(candidates)
@@ -70,7 +70,7 @@ def kquant_symmetric(lib, g: torch.Tensor, valid, lowest: float, top: float, can
 def kquant_refine(lib, g: torch.Tensor, valid, lo_q: float, hi_q: float, de, code_pair, dme=None, min_pair=None):
     """(sub-scale codes, sub-minimum codes or None) float64 [rows, groups]: of the code pairs
     code_pair x min_pair (float64 [rows, groups] each) under the super-block scales de (dme),
-    the one of least weighted squared error (fewbits.quant.scales._refine_codes)."""
+    the one of least weighted squared error (fewbits.quant.kquant_search.refine_codes_reference)."""
     g, mask, count, groups, n = _kquant_args(g, valid)
     float_min = min_pair is not None
     shape = tuple(g.shape[:2])
