@@ -60,7 +60,8 @@ def test_writer_and_reader_round_trip(tmp_path, max_shard_bytes):
         assert INDEX_NAME in names and SINGLE_NAME not in names
         index = json.loads((out / INDEX_NAME).read_text())
         assert set(index["weight_map"]) == {"a.qweight.codes", "a.qweight.scales", "a.bias", "b.weight",
-                                            "c.qweight.codes", "c.qweight.scales"}
+                                            "c.qweight.codes", "c.qweight.scales",
+                                            "a.weight", "c.weight"}  # the guards (hf_dir.GUARD_DTYPE)
         if max_shard_bytes == 1:  # every entry in a shard of its own, a quantized weight's parts together
             assert len(set(index["weight_map"].values())) == 4
     config = json.loads((out / CONFIG_NAME).read_text())
@@ -188,8 +189,10 @@ def test_save_pretrained_writes_what_transformers_reads_as_plain_safetensors(tmp
     assert cfg.quantization_config["quant_method"] == "fewbits"
     state = model.state_dict()
     plain = safetensors_torch.load_file(str(tmp_path / "m" / SINGLE_NAME))
-    assert set(plain) == set(state)
-    assert all(torch.equal(plain[k], state[k]) for k in plain)
+    guards = {f"{name}.weight" for name in cfg.quantization_config["modules"]}
+    assert set(plain) == set(state) | guards and not guards & set(state)
+    assert all(torch.equal(plain[k], state[k]) for k in state)
+    assert all(plain[k].dtype == torch.uint8 and plain[k].shape == (0,) for k in guards)
     with pytest.raises(FileExistsError):
         save_pretrained(model, tmp_path / "m")
     with pytest.raises(TypeError, match="transformers model"):

@@ -3,6 +3,7 @@ imported only once transformers' quantizers are."""
 from __future__ import annotations
 
 import os
+import re
 
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
@@ -12,8 +13,8 @@ from .._version import __version__
 from ..quant.plan import is_quantized
 from ..quant.tensor import STATE_KEYS, expected_keys
 from .hf_dir import (
-    QUANT_FORMAT_VERSION, QUANT_METHOD, QWEIGHT, check_fits, empty_quantized_modules, parse_quantization_config,
-    read_tensors,
+    QUANT_FORMAT_VERSION, QUANT_METHOD, QWEIGHT, check_fits, empty_quantized_modules, guard_tensor,
+    parse_quantization_config, read_tensors,
 )
 from .safetensors_format import FileFormatError
 
@@ -104,6 +105,11 @@ class FewbitsHfQuantizer(HfQuantizer):
             check_fits(model, tensors)  # a stored shape config.json does not give: named here, not as
             tensors.close()             # transformers' "ignore_mismatched_sizes" error after its report
         empty_quantized_modules(model, plan, where=directory or "quantization_config")
+        # each quantized module's guard ("m.weight", hf_dir.GUARD_DTYPE) is no parameter of the
+        # quantized module: not an unexpected key to report
+        guards = {rf"^{re.escape(name)}\.weight$" for name in plan}
+        model._keys_to_ignore_on_load_unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                                       or ()) | guards
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -114,6 +120,14 @@ class FewbitsHfQuantizer(HfQuantizer):
             if is_quantized(m) and getattr(m, "bias", None) is not None:
                 m.bias.requires_grad_(False)  # as a QuantLinear holds it
         return model
+
+    def get_state_dict_and_metadata(self, model):
+        """transformers' save_pretrained: the state dict with each quantized module's guard added
+        (hf_dir.GUARD_DTYPE), as fewbits' own writer stores it."""
+        state = model.state_dict()
+        for name in self.quantization_config.plan:
+            state.setdefault(f"{name}.weight", guard_tensor())
+        return state, {}
 
     def get_load_operations(self):
         return {"deserialize": FewbitsDeserialize}

@@ -4,7 +4,9 @@
 
 Tensor names are the model's state_dict() names. A quantized module `m` (QuantLinear or
 QuantEmbedding) is stored as its QuantizedTensor's tensors `m.qweight.<key>` (key in
-fewbits.quant.tensor.STATE_KEYS: codes, scales, zero_points, minimums, ...) plus `m.bias`; as a
+fewbits.quant.tensor.STATE_KEYS: codes, scales, zero_points, minimums, ...) plus `m.bias`, and
+`m.weight` as an empty uint8 tensor, the guard that makes transformers without fewbits refuse the
+directory instead of loading random weights (see GUARD_DTYPE); as a
 "tensor mapping" (the writers' input, read_tensors' output) it is one entry under the weight's
 Hugging Face name, "m.weight" -> QuantizedTensor.
 
@@ -74,6 +76,22 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+
+# The guard: every quantized module m also stores "m.weight" as an empty uint8 tensor. transformers
+# without fewbits skips a quantization_config it does not know (a warning) and would otherwise
+# fill m.weight at random and run: with the guard it meets a weight of shape [0] where the model
+# has [out, in] and refuses to load (a size mismatch). fewbits' reader and quantizer take the guard
+# as part of the quantized module; directories written before it (no guard) read as they did.
+GUARD_DTYPE = torch.uint8
+
+
+def guard_tensor() -> torch.Tensor:
+    """The tensor stored under a quantized module's weight name (see GUARD_DTYPE)."""
+    return torch.empty(0, dtype=GUARD_DTYPE)
+
+
+def _is_guard(shape, st_dtype: str) -> bool:
+    return tuple(shape) == (0,) and _ST_DTYPES.get(st_dtype) == GUARD_DTYPE
 
 
 def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> None:
@@ -256,6 +274,7 @@ class ShardWriter:
         if isinstance(value, QuantizedTensor):
             module = _module_of(name)
             parts = {f"{module}.{QWEIGHT}.{k}": t for k, t in value.state_dict().items()}
+            parts[name] = guard_tensor()
             info = (value.scheme, tuple(value.shape), value.dtype)
         elif isinstance(value, torch.Tensor):
             module, parts, info = None, {name: value}, None
@@ -757,7 +776,9 @@ class HFTensors(Mapping):
             self._check_record(module, scheme, shape, dtype, parts["codes"] if "codes" in parts else first)
             name = f"{module}.weight"
             if name in self._float:
-                raise FileFormatError(self._float[name], f"{name!r} is stored both as a float tensor and quantized")
+                if not _is_guard(*self._header(self._float[name], name)):
+                    raise FileFormatError(self._float[name], f"{name!r} is stored both as a float tensor and quantized")
+                del self._float[name]  # the guard (GUARD_DTYPE): part of the quantized module
             self._qt[name] = module
         seen = set()
         for key in where:  # the names in stored order, each quantized weight once
