@@ -34,9 +34,10 @@ def add_parser(sub) -> None:
                    help="choose a scheme per layer to fit this many bits per parameter")
     p.add_argument("--out", metavar="OUT", help="with --scheme or --budget: write the quantized model there "
                    "(see --format); with --compare: a directory for results.json and quality_vs_bits.png")
-    p.add_argument("--format", choices=("fewbits", "hf", "gguf"),
-                   help="the written model: hf (a Hugging Face directory), gguf (for llama.cpp) or fewbits (one "
-                   "safetensors file); default from OUT: *.gguf, *.safetensors, else hf")
+    p.add_argument("--format", choices=("fewbits", "hf", "gguf", "compressed-tensors"),
+                   help="the written model: hf (a Hugging Face directory), gguf (for llama.cpp), compressed-tensors "
+                   "(a directory vLLM, SGLang and transformers load) or fewbits (one safetensors file); default "
+                   "from OUT: *.gguf, *.safetensors, else hf")
     p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method gptq "
                    "(default: Python's pydoc topics)")
     p.add_argument("--embeddings", action="store_true", help="with --out (hf, fewbits): quantize the token "

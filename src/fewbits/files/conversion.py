@@ -5,6 +5,10 @@ formats, streamed from disk (fewbits.files.streaming):
   transformers' from_pretrained once fewbits is imported, load it);
 - "gguf": one GGUF file for llama.cpp (and transformers' gguf_file=): every planned scheme must
   be a GGUF block type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k), checked before any work;
+- "compressed-tensors": a Hugging Face directory in compressed-tensors' format, which vLLM,
+  SGLang and transformers (with the compressed-tensors package) load; every planned scheme must
+  have an exact compressed-tensors form (fewbits.files.compressed_tensors), checked before any
+  work;
 - "fewbits": one fewbits safetensors file (fb.save; fb.load into a float skeleton reads it).
 
 The model is quantized into a temporary HF directory beside the output first when the format is
@@ -24,11 +28,13 @@ from .streaming import ConversionSummary, _read_config, quantize_pretrained, tok
 
 __all__ = ["FORMATS", "convert", "float_matrices"]
 
-FORMATS = ("hf", "gguf", "fewbits")
+FORMATS = ("hf", "gguf", "fewbits", "compressed-tensors")
+_DIRECTORIES = ("hf", "compressed-tensors")
 
 
 _NAMED_FORMATS = {".gguf": ("gguf", "a GGUF file"), ".safetensors": ("fewbits", "a fewbits safetensors file")}
-_FORMAT_WHAT = {"hf": "a Hugging Face directory", "gguf": "a GGUF file", "fewbits": "a fewbits safetensors file"}
+_FORMAT_WHAT = {"hf": "a Hugging Face directory", "gguf": "a GGUF file", "fewbits": "a fewbits safetensors file",
+                "compressed-tensors": "a compressed-tensors directory"}
 
 
 def output_format(out, format: str | None = None) -> str:
@@ -106,7 +112,7 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
     out = os.fspath(out)
     if os.path.lexists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-    if fmt != "hf":
+    if fmt not in _DIRECTORIES:
         if os.path.isdir(out):
             raise IsADirectoryError(f"{out} is a directory; a {fmt} model is one file: give its path")
         parent = os.path.dirname(os.path.abspath(out))
@@ -115,6 +121,12 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
     if fmt == "gguf":
         check_gguf_source(source)
     check = check_gguf_plan if fmt == "gguf" else None
+    if fmt == "compressed-tensors":
+        from . import compressed_tensors
+        from .streaming import model_skeleton
+
+        def check(plan):
+            compressed_tensors.check_plan(plan, model_skeleton(_read_config(os.fspath(source))))
     if fmt == "hf":
         summary = quantize_pretrained(source, out, scheme_or_rules, method=method, calibration=calibration,
                                       skip=skip, embeddings=embeddings, tied=tied, overwrite=overwrite,
@@ -141,6 +153,10 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             written = write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
                                  tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
             summary.types = dict(written.types)
+        elif fmt == "compressed-tensors":
+            from .compressed_tensors import write_compressed_tensors
+            write_compressed_tensors(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),
+                                     overwrite=overwrite)
         else:
             from safetensors import SafetensorError
 

@@ -72,7 +72,7 @@ _MODULE_FIELDS = {"scheme", "shape", "dtype"}
 # safetensors' dtype names -> torch dtypes (for checking headers before reading data)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
@@ -360,6 +360,8 @@ class ShardWriter:
             derived = quantization_config({m: _Info(*i) for m, i in self._quantized_info.items()})
         if given is None:
             return derived
+        if not self._quantized_info and isinstance(given, dict) and given.get("quant_method") != QUANT_METHOD:
+            return given  # another format's (fewbits.files.compressed_tensors): its entries were added as tensors
         parsed = parse_quantization_config("quantization_config", given)
         want = dict(self._quantized_info)
         if {m: (s, tuple(sh), dt) for m, (s, sh, dt) in parsed.items()} != want:

@@ -195,6 +195,12 @@ def conversion_scheme(scheme: str, fmt: str) -> str:
         if fmt != "gguf":
             raise
         raise ValueError(f"{e}; with --format gguf also the llama.cpp mixes: {', '.join(MIXED_RECIPES)}") from None
+    if fmt == "compressed-tensors":
+        from ..files.compressed_tensors import scheme_args
+        try:
+            scheme_args(preset)
+        except ValueError as e:
+            raise ValueError(f"--scheme {scheme}: {e}") from None
     if fmt != "gguf":
         return preset.name or scheme
     try:
@@ -244,6 +250,8 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
             candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
         else:
             candidates = (name,) + BUDGET_CANDIDATES if name else BUDGET_CANDIDATES
+            if fmt == "compressed-tensors":  # the schemes compressed-tensors holds: 4 and 8 bits
+                candidates = tuple(c for c in candidates if _fits_compressed_tensors(c))
         subject = path_subject(source)
         allocation = allocate_for_budget(subject, list(dict.fromkeys(candidates)), budget, progress=progress)
         return {"scheme": None, "rules": dict(allocation["choices"]), "embeddings": embeddings, "tied": tied,
@@ -255,6 +263,15 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
         return {"scheme": name, "rules": gguf_recipe(name, config), "embeddings": True, "tied": tied,
                 "types": gguf_recipe_types(name, config)}
     return {"scheme": name, "rules": name, "embeddings": embeddings, "tied": tied, "types": None}
+
+
+def _fits_compressed_tensors(scheme) -> bool:
+    from ..files.compressed_tensors import scheme_args
+    try:
+        scheme_args(scheme)
+    except ValueError:
+        return False
+    return True
 
 
 def _ties_embeddings(source) -> bool:
