@@ -25,6 +25,10 @@ def test_list_presets_json():
     rows = {r["scheme"]: r for r in json.loads(out)}
     assert rows["nf4_dq"]["bits_per_value"] == pytest.approx(4.127, abs=5e-4)
     assert rows["nvfp4"]["bits_per_value"] == 4.5
+    assert rows["q4_0"]["formats"] == ["hf", "fewbits", "gguf", "compressed-tensors"]
+    assert rows["q4_k"]["formats"] == ["hf", "fewbits", "gguf"]
+    assert rows["w8a8"]["formats"] == ["hf", "fewbits", "compressed-tensors"]
+    assert rows["nf4_dq"]["formats"] == ["hf", "fewbits"]
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
                    "layer that shares its weight (a tied lm_head) in float; untie quantizes it on its own")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quick", action="store_true", help="fewer evaluation sentences/tokens")
-    p.add_argument("--list", action="store_true", help="list the quantization presets and exit")
+    p.add_argument("--list", action="store_true", help="list the quantization presets (and the --format choices "
+                   "that hold each) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -125,15 +126,18 @@ def _quant_rows_table(rows, subject) -> str:
 
 
 def _quant_list(args, out) -> int:
+    from ..files.conversion import formats_for
     from ..quant import get_scheme, list_schemes
 
     rows = [{"scheme": n, "description": get_scheme(n).describe(),
-             "bits_per_value": get_scheme(n).bits_per_value()} for n in list_schemes()]
+             "bits_per_value": get_scheme(n).bits_per_value(), "formats": formats_for(n)} for n in list_schemes()]
     if args.json:
         emit_json(rows, out)
-    else:
-        print(render_table(["scheme", "bits/value", "what"],
-                           [[r["scheme"], f"{r['bits_per_value']:.3f}", r["description"]] for r in rows],
+    else:  # hf and fewbits hold every scheme: the column names the others
+        print(render_table(["scheme", "bits/value", "--format also", "what"],
+                           [[r["scheme"], f"{r['bits_per_value']:.3f}",
+                             ", ".join(f for f in r["formats"] if f not in ("hf", "fewbits")) or "-",
+                             r["description"]] for r in rows],
                            right=(1,)), file=out)
     return 0
 

@@ -26,7 +26,7 @@ from ..quant.scheme import get_scheme
 from .gguf_blocks import gguf_block_type
 from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
-__all__ = ["FORMATS", "convert", "float_matrices"]
+__all__ = ["FORMATS", "convert", "float_matrices", "formats_for"]
 
 FORMATS = ("hf", "gguf", "fewbits", "compressed-tensors")
 _DIRECTORIES = ("hf", "compressed-tensors")
@@ -55,6 +55,21 @@ def output_format(out, format: str | None = None) -> str:
                              f"(--format {f}, or no --format)")
         return format
     return implied[0] if implied is not None else "hf"
+
+
+def formats_for(scheme) -> list[str]:
+    """The output formats (FORMATS) that hold `scheme` exactly: hf and fewbits hold every scheme,
+    gguf those with a GGUF block type, compressed-tensors those it has a config group for."""
+    from .compressed_tensors import scheme_args
+
+    found = ["hf", "fewbits"]
+    for fmt, check in (("gguf", gguf_block_type), ("compressed-tensors", scheme_args)):
+        try:
+            check(scheme)
+        except ValueError:
+            continue
+        found.append(fmt)
+    return found
 
 
 def check_gguf_source(source) -> None:
