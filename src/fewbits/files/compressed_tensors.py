@@ -247,5 +247,4 @@ def write_compressed_tensors(out, tensors, *, tokenizer=None, overwrite: bool = 
 
 
 
-__all__ = ["FITTING_PRESETS", "QUANT_METHOD", "check_module", "check_plan", "module_tensors", "quantization_config", "scheme_args",
-           "write_compressed_tensors"]
+__all__ = ["write_compressed_tensors"]
