@@ -51,7 +51,7 @@ def layer_shapes(d: int, tokens: int = 4096) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def configurations(m: int, k: int, n: int, g: torch.Generator) -> dict:
+def configurations(m: int, k: int, n: int, g: torch.Generator, qlinear: bool = True) -> dict:
     ab = torch.randn(m, k, generator=g).bfloat16()
     bb = torch.randn(n, k, generator=g).bfloat16()
     qa = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
@@ -59,7 +59,7 @@ def configurations(m: int, k: int, n: int, g: torch.Generator) -> dict:
     da, db = torch.rand(m, generator=g), torch.rand(n, generator=g)
     cfg = {"bf16 (oneDNN)": lambda: ab @ bb.t(),
            "torch._int_mm + rescale": lambda: int8.int8_gemm(qa, qb, da, db, None, torch.bfloat16, backend="torch")}
-    if hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack"):
+    if qlinear and hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack"):
         try:
             packed = torch.ops.onednn.qlinear_prepack(qb, [m, k])
             zeros = torch.zeros(n, dtype=torch.int64)
