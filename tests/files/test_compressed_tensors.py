@@ -94,7 +94,8 @@ def test_decompressed_weights_equal_fewbits_dequantized_weights(base, tmp_path, 
 def test_a_mixed_plan_is_config_groups_and_float_layers_are_ignored(base, tmp_path):
     rules = {"*.mlp.*": "w8a8", "*.self_attn.[qk]_proj": "int4_g32", "*.self_attn.v_proj": "int4_asym"}
     model = fb.quantize_model(copy.deepcopy(base), rules)
-    out = _export(model, tmp_path)
+    with pytest.warns(UserWarning, match=r"vLLM fuses .*q_proj, .*v_proj \(int4_asym / int4_g32\)"):
+        out = _export(model, tmp_path)  # q, k and v differ: vLLM would refuse it, transformers loads it
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     groups = sorted(qc["config_groups"].values(), key=lambda g: g["targets"][0])
     assert qc["format"] == "mixed-precision"
@@ -144,6 +145,27 @@ def test_schemes_without_an_exact_form_are_refused_naming_those_that_fit(scheme,
     assert "int4_g32" in str(e.value) and "w8a8" in str(e.value)
 
 
+def test_an_asymmetric_signed_format_is_refused():
+    from fewbits.quant.scheme import QuantScheme
+    with pytest.raises(ValueError, match="unsigned zero points"):
+        ct.scheme_args(QuantScheme("int4", "group", group_size=32, symmetric=False))
+    assert not ct.fits(QuantScheme("int8", "group", group_size=32, symmetric=False))
+    assert ct.fits("int4_g32", widths=(576, 1536)) and not ct.fits("int4", widths=(576, 1536))
+
+
+def test_an_untied_quantized_head_of_a_tied_model_is_written_untied(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
+    model = fb.quantize_model(transformers.LlamaForCausalLM(cfg).eval(), "int4_g32", tied="untie")
+    out = _export(model, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "lm_head" in str(config["quantization_config"])
+    loaded = _load(out)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.qweight.dequantize(torch.float32))
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
@@ -152,7 +174,8 @@ def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
     transformers.LlamaForCausalLM(cfg).save_pretrained(src)
     from fewbits.files import hf_dir
     monkeypatch.setattr(hf_dir, "ShardWriter", None)  # nothing may be written before the checks
-    cases = [("int4", {}, "96 columns are not a whole number of groups of 128"),
+    cases = [("int4", {}, "96 columns are not a whole number of groups of 128.*presets that fit 96 columns: "
+                          "int4_g32, int4_asym_g32, int4_channel, q4_0, int8"),
              ("nf4", {}, "nf4 codes"),
              ("int4_g32", {"embeddings": True, "tied": "untie"}, "model.embed_tokens.*Embedding")]
     for scheme, options, message in cases:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -70,7 +71,10 @@ def scheme_args(scheme) -> dict:
     elif s.scale_format == "none":
         why = "a plain cast is a float model (save it in float)"
     if why is None and isinstance(fmt, IntFormat):
-        if fmt.bits not in _PACKED_BITS:
+        if not s.symmetric and fmt.signed:
+            why = (f"an asymmetric {fmt.name} keeps unsigned zero points beside signed codes, which "
+                   "compressed-tensors' signed zero points cannot hold (the asymmetric presets use uint4 / uint8)")
+        elif fmt.bits not in _PACKED_BITS:
             why = f"{fmt.bits}-bit integers are not packed by the engines (4 and 8 bits are)"
         elif s.granularity == "tensor":
             why = "one scale per tensor for integers is not written by this exporter"
@@ -125,11 +129,45 @@ def check_module(module: str, scheme, shape) -> dict:
     if len(shape) != 2:
         raise ValueError(f"{module}: compressed-tensors stores 2-d Linear weights, this one is {list(shape)}")
     in_f = shape[1]
-    if s.granularity == "group" and in_f % s.group_size:
+    if not _whole_groups(s, in_f):
         raise ValueError(f"{module}: {in_f} columns are not a whole number of groups of {s.group_size} "
-                         f"({s.label}): compressed-tensors has no partial last group; a group size that divides "
-                         f"{in_f} fits (e.g. int4_g32 where {in_f} is a multiple of 32)")
+                         f"({s.label}): compressed-tensors has no partial last group; presets that fit "
+                         f"{in_f} columns: {', '.join(p for p in FITTING_PRESETS if _whole_groups(get_scheme(p), in_f))}")
     return args
+
+
+def _whole_groups(s: QuantScheme, columns: int) -> bool:
+    return s.granularity != "group" or columns % s.group_size == 0
+
+
+def fits(scheme, widths=()) -> bool:
+    """Whether compressed-tensors holds `scheme` exactly on layers of these input widths."""
+    try:
+        s = get_scheme(scheme)
+        scheme_args(s)
+    except ValueError:
+        return False
+    return all(_whole_groups(s, w) for w in widths)
+
+
+# Linear layers that vLLM fuses into one (qkv_proj, gate_up_proj): each group must share one scheme
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_conflicts(plan: Mapping, linears) -> list[str]:
+    """The fused groups (see _FUSED) whose layers do not all share one scheme (or all stay in
+    float): vLLM loads each group as one layer and refuses a checkpoint that mixes them."""
+    found = []
+    for name in sorted(linears):
+        parent, _, leaf = name.rpartition(".")
+        for group in _FUSED:
+            if leaf == group[0]:
+                members = [f"{parent}.{g}" if parent else g for g in group]
+                if all(m in linears for m in members):
+                    kinds = {get_scheme(plan[m]).label if m in plan else "float" for m in members}
+                    if len(kinds) > 1:
+                        found.append(f"{', '.join(members)} ({' / '.join(sorted(kinds))})")
+    return found
 
 
 def module_tensors(module: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -200,12 +238,16 @@ def check_plan(plan: Mapping, model) -> None:
                                                                     f" (layer {module!r})")) from None
 
 
-def _linear_names(config) -> set[str]:
-    """The Linear layers of the model `config` describes (built on the meta device)."""
+def _linear_layers(config) -> tuple[set[str], str | None]:
+    """The Linear layers of the model `config` describes (built on the meta device), and the name
+    of its output layer (the one a tied model shares with its token embedding), if any."""
     from torch import nn
 
     from .streaming import model_skeleton
-    return {n for n, m in model_skeleton(config).named_modules() if isinstance(m, nn.Linear)}
+    model = model_skeleton(config)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return names, next((n for n, m in model.named_modules() if head is not None and m is head), None)
 
 
 def write_compressed_tensors(out, tensors, *, tokenizer=None, overwrite: bool = False,
@@ -224,11 +266,16 @@ def write_compressed_tensors(out, tensors, *, tokenizer=None, overwrite: bool = 
         except ValueError as e:
             raise ValueError(f"--format compressed-tensors: {e}" + ("" if module in str(e) else
                                                                     f" (layer {module!r})")) from None
-    linears = _linear_names(AutoConfig.from_pretrained(tensors.directory))
+    linears, head = _linear_layers(AutoConfig.from_pretrained(tensors.directory))
     not_linear = sorted(set(plan) - linears)
     if not_linear:
         raise ValueError(f"--format compressed-tensors quantizes Linear layers; {not_linear[0]!r} is not one "
                          "(leave the embeddings in float: no --embeddings)")
+    conflicts = fused_conflicts(plan, linears)
+    if conflicts:
+        warnings.warn(f"{len(conflicts)} group(s) of layers that vLLM fuses into one do not share a scheme, so vLLM "
+                      f"will refuse this checkpoint (transformers loads it): {conflicts[0]}"
+                      + (f" and {len(conflicts) - 1} more" if len(conflicts) > 1 else ""), stacklevel=2)
     qc = quantization_config(plan, ignore=linears - set(plan))
     with ShardWriter(out, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, overwrite=overwrite) as w:
         for name in tensors:
@@ -243,6 +290,10 @@ def write_compressed_tensors(out, tensors, *, tokenizer=None, overwrite: bool = 
             shutil.copyfile(generation, os.path.join(w.tmp_dir, "generation_config.json"))
         cfg = dict(tensors.config or {})
         cfg.pop("quantization_config", None)
+        if head in plan and cfg.get("tie_word_embeddings"):
+            # the output layer quantized on its own (untied): a tied config would make the engines
+            # look for its weight in the float embedding
+            cfg["tie_word_embeddings"] = False
         return w.finish(cfg, tokenizer, quantization_config=qc)
 
 

@@ -250,8 +250,14 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
             candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
         else:
             candidates = (name,) + BUDGET_CANDIDATES if name else BUDGET_CANDIDATES
-            if fmt == "compressed-tensors":  # the schemes compressed-tensors holds: 4 and 8 bits
-                candidates = tuple(c for c in candidates if _fits_compressed_tensors(c))
+            if fmt == "compressed-tensors":  # the schemes compressed-tensors holds on every layer's width
+                from ..files.compressed_tensors import fits
+                from ..files.streaming import model_skeleton
+                widths = {m.in_features for m in model_skeleton(config).modules() if isinstance(m, torch.nn.Linear)}
+                candidates = tuple(c for c in candidates if fits(c, widths))
+                if not candidates:
+                    raise ValueError("--budget with --format compressed-tensors: no candidate scheme fits every "
+                                     f"layer width ({', '.join(map(str, sorted(widths)))})")
         subject = path_subject(source)
         allocation = allocate_for_budget(subject, list(dict.fromkeys(candidates)), budget, progress=progress)
         return {"scheme": None, "rules": dict(allocation["choices"]), "embeddings": embeddings, "tied": tied,
@@ -263,15 +269,6 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
         return {"scheme": name, "rules": gguf_recipe(name, config), "embeddings": True, "tied": tied,
                 "types": gguf_recipe_types(name, config)}
     return {"scheme": name, "rules": name, "embeddings": embeddings, "tied": tied, "types": None}
-
-
-def _fits_compressed_tensors(scheme) -> bool:
-    from ..files.compressed_tensors import scheme_args
-    try:
-        scheme_args(scheme)
-    except ValueError:
-        return False
-    return True
 
 
 def _ties_embeddings(source) -> bool:
