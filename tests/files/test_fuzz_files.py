@@ -63,6 +63,7 @@ def test_training_checkpoints_survive_the_fuzzer(small_run):
     assert "file" in proc.stdout and "partial" in proc.stdout  # the table was printed
 
 
+@pytest.mark.slow  # waits out a hung worker's time limit
 def test_the_fuzzer_counts_a_crash_and_a_hang_and_goes_on(tmp_path):
     # the worker is made to die at trial 2 and to stall at trial 4: counted as crashed and hung,
     # and every other trial still runs

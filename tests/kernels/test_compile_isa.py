@@ -121,6 +121,7 @@ def test_compiled_equals_reference_under_avx2_dispatch(inductor_cache):
     _run(COMPILED_VS_REFERENCE, inductor_cache, "avx2", TESTS_DIR)
 
 
+@pytest.mark.slow  # four processes each compiling with inductor, ~25 s on 2 cores
 def test_processes_of_different_isas_share_an_inductor_cache(inductor_cache):
     """An avx2 process compiles a graph with inductor's defaults, then a default process compiles
     it with fewbits' options, and the same the other way round: each must get code built for its
