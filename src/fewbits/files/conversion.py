@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 from ..atomic import DirectoryReplacement
 from ..quant.scheme import get_scheme
+from . import compressed_tensors
 from .gguf_blocks import gguf_block_type
 from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
@@ -60,10 +61,8 @@ def output_format(out, format: str | None = None) -> str:
 def formats_for(scheme) -> list[str]:
     """The output formats (FORMATS) that hold `scheme` exactly: hf and fewbits hold every scheme,
     gguf those with a GGUF block type, compressed-tensors those it has a config group for."""
-    from .compressed_tensors import scheme_args
-
     found = ["hf", "fewbits"]
-    for fmt, check in (("gguf", gguf_block_type), ("compressed-tensors", scheme_args)):
+    for fmt, check in (("gguf", gguf_block_type), ("compressed-tensors", compressed_tensors.scheme_args)):
         try:
             check(scheme)
         except ValueError:
@@ -81,9 +80,9 @@ def check_gguf_source(source) -> None:
     check_model(_read_config(source), tokenizer_files(source))
 
 
-def check_gguf_plan(plan) -> None:
+def check_gguf_plan(plan, model=None) -> None:
     """Every planned scheme has a GGUF block type; otherwise a ValueError naming the layers and
-    the GGUF schemes."""
+    the GGUF schemes (`model`, the skeleton quantize_pretrained passes, is not needed)."""
     bad = {}
     for name, scheme in plan.items():
         try:
@@ -135,13 +134,7 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
     if fmt == "gguf":
         check_gguf_source(source)
-    check = check_gguf_plan if fmt == "gguf" else None
-    if fmt == "compressed-tensors":
-        from . import compressed_tensors
-        from .streaming import model_skeleton
-
-        def check(plan):
-            compressed_tensors.check_plan(plan, model_skeleton(_read_config(os.fspath(source))))
+    check = {"gguf": check_gguf_plan, "compressed-tensors": compressed_tensors.check_plan}.get(fmt)
     if fmt == "hf":
         summary = quantize_pretrained(source, out, scheme_or_rules, method=method, calibration=calibration,
                                       skip=skip, embeddings=embeddings, tied=tied, overwrite=overwrite,
@@ -169,8 +162,7 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
                                  tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
             summary.types = dict(written.types)
         elif fmt == "compressed-tensors":
-            from .compressed_tensors import write_compressed_tensors
-            write_compressed_tensors(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),
+            compressed_tensors.write_compressed_tensors(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),
                                      overwrite=overwrite)
         else:
             from safetensors import SafetensorError

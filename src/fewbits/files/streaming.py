@@ -245,8 +245,9 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     of the float tensors written and of the quantized tensors' dequantized values (default: the
     source's own, config.dtype); GPTQ computes in float32 either way. tokenizer: a tokenizer or
     directory saved beside the model (default: the source's tokenizer files, if any).
-    check_plan: called with the plan {module name: scheme} before any work (to refuse schemes
-    an output format cannot hold). Returns a ConversionSummary.
+    check_plan: called with the plan {module name: scheme} and the model's skeleton (meta
+    parameters: names, types and shapes) before any work, to refuse what an output format cannot
+    hold. Returns a ConversionSummary.
     """
     from .hf_dir import ShardWriter, read_tensors
 
@@ -269,7 +270,7 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     if not plan:
         raise ValueError("no layer matched: nothing to quantize (check the rules and skip patterns)")
     if check_plan is not None:
-        check_plan(plan)
+        check_plan(plan, model)
     names = _parameters_to_load(model, tensors, plan)
     batches = calibration_batches(calibration) if method == "gptq" else None
     report = counter(progress, len(plan), method)
