@@ -217,6 +217,15 @@ def test_native_step_matches_the_torch_path(kind, overrides, scheme):
     _check_native(model, _ids(20), new=20)
 
 
+@pytest.mark.parametrize("scheme", ["q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+def test_native_step_runs_every_gguf_integer_block(scheme):
+    """GGUF's blocks other than Q4_0 / Q4_1 (introw.c's one-row kernel, parameters read as
+    stored): the decode step runs natively and matches the torch path."""
+    model = _model()
+    fb.quantize_model(model, scheme, tied="untie")
+    _check_native(model, _ids(20), new=20)
+
+
 def test_native_step_at_two_threads_and_across_calls():
     model = _model()
     fb.quantize_model(model, "int4_g32")

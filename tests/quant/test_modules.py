@@ -102,13 +102,14 @@ def assert_close_to_reference(module: QuantLinear, x: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 def test_auto_picks_torchs_kernels_here():
     """fewbits' 4-bit C kernels where they are built (they beat tinygemm and compute the weights
-    exactly), torch's kernels for the rest; q4_k's two-level scales stay with tinygemm."""
+    exactly), torch's kernels for the rest; q4_k's two-level scales go to introw.c where it is
+    built (its one-row kernel reads them as stored), else to tinygemm."""
     from fewbits.kernels import native
     if ops.int4pack_layout() is None:
         pytest.skip("this torch has no int4 CPU packing")
     int4 = "dequant" if native.library() is not None else "int4pack"
     want = {"int4": int4, "int4_asym": int4, "q4_1": int4, "int4_g32": int4, "int4_channel": int4, "q4_0": int4,
-            "q4_k": "int4pack",
+            "q4_k": int4,
             "int8": "int8pack", "int8_tensor": "int8pack", "bf16": "bf16", "nf4": "dequant", "mxfp4": "dequant",
             "nvfp4": "dequant", "fp8": "dequant", "fp16": "dequant", "int3": "dequant",
             "w8a8": ("w8a8_amx" if native.library() is not None and native.amx_w8a8_ready(native.library())

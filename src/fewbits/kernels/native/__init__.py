@@ -12,7 +12,7 @@ bit for bit, except the 4-bit matmul's float32 sums, whose order is its own.
 
 One binding module per C source, its ctypes declarations beside the classes that prepare a
 weight for it: `rowquant` (rowquant.c), `lut4` (lut4.c, with tiles.h's `tiles`), `w4a8`,
-`int8w`, `int8mm`, `round32`, `kquant`, `decode`; `shared`: the return-code check they all use.
+`int8w`, `introw`, `int8mm`, `round32`, `kquant`, `decode`; `shared`: the return-code check they all use.
 This package presents their public names (`native.library()`, `native.Lut4Weight`, ...).
 """
 from .decode import DECODE_MAX_HEAD_DIM, DecodeStep, RowKernel, declare_decode, decode_heads_ok, function_address
@@ -21,6 +21,7 @@ from .int8mm import (
     vnni_w8a8_ready, w8a8_amx_row_rc,
 )
 from .int8w import Int8Weight, declare_int8w, int8w_rc
+from .introw import IntRowWeight, TwoLevel, declare_introw, introw_rc, introw_supported, introw_vector
 from .kquant import (
     KQUANT_MAX_GROUP, declare_kquant, kquant_float_min, kquant_refine, kquant_supported, kquant_symmetric,
 )
@@ -37,10 +38,10 @@ from .w4a8 import W4A8Weight, declare_w4a8, w4a8_dequantized_x, w4a8_row_rc
 __all__ = [
     "AMX_GEMV_MAX_K", "CFLAGS", "DECODE_MAX_HEAD_DIM", "DIGEST_SUFFIX", "FLOAT_KINDS", "HEADERS", "KQUANT_MAX_GROUP",
     "LIBRARY_DIR", "NONFINITE_ACTIVATIONS", "OPENMP_FLAGS", "SOURCES", "SOURCE_DIR", "STALE_BUILD_S",
-    "DecodeStep", "Int8Panels", "Int8Weight", "Lut4Weight", "RowKernel", "W4A8Weight",
+    "DecodeStep", "Int8Panels", "Int8Weight", "IntRowWeight", "TwoLevel", "Lut4Weight", "RowKernel", "W4A8Weight",
     "amx_int8_gemm", "amx_int8_ready", "amx_pack", "amx_w8a8_ready", "cache_dir", "check_rc", "cpu_flags",
-    "declare_decode", "declare_int8mm", "declare_int8w", "declare_kquant", "declare_lut4", "declare_round32",
-    "declare_rowquant", "declare_w4a8", "decode_heads_ok", "function_address", "int8_rows_bf16", "int8w_rc",
+    "declare_decode", "declare_int8mm", "declare_int8w", "declare_introw", "declare_kquant", "declare_lut4", "declare_round32",
+    "declare_rowquant", "declare_w4a8", "decode_heads_ok", "function_address", "int8_rows_bf16", "int8w_rc", "introw_rc", "introw_supported", "introw_vector",
     "kquant_float_min", "kquant_refine", "kquant_supported", "kquant_symmetric", "library", "lut4_rc",
     "lut4_supported", "q8_bf16", "quantize_rows_int8", "rc_check", "reset", "round_float_f32", "round_lut_f32",
     "round_lut_sr_f32", "row_absmax", "row_int8_scales", "scale_rows_", "status", "tiles", "tiles_kind",

@@ -71,6 +71,7 @@ from pathlib import Path
 from .decode import declare_decode
 from .int8mm import declare_int8mm
 from .int8w import declare_int8w
+from .introw import declare_introw
 from .kquant import declare_kquant
 from .lut4 import declare_lut4
 from .round32 import declare_round32
@@ -83,7 +84,7 @@ except ImportError:  # not POSIX (Windows): no checked load there, the torch ker
     fcntl = None
 
 SOURCE_DIR = Path(__file__).parent.parent / "csrc"  # kernels/csrc: the sources and headers built
-SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c", "int8w.c", "decode.c")
+SOURCES = ("rowquant.c", "lut4.c", "round32.c", "kquant.c", "int8mm.c", "w4a8.c", "int8w.c", "decode.c", "introw.c")
 HEADERS = ("vec16.h", "threads.h", "rowwalk.h", "tiles.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99")
 # OpenMP where the compiler has it: the library then shares the process's OpenMP runtime with
@@ -502,7 +503,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     """The argument types of every function of the library, declared by each source's binding
     module."""
     for declare_source in (declare_rowquant, declare_lut4, declare_int8w, declare_round32, declare_kquant,
-                           declare_int8mm, declare_w4a8, declare_decode):
+                           declare_int8mm, declare_w4a8, declare_decode, declare_introw):
         declare_source(lib)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...formats import IntFormat
 from ...kernels import native
 from .. import lowbit_ops as ops
 from ..scheme import QuantScheme
@@ -20,6 +21,31 @@ from .base import (
     with_bias,
 )
 from .rows import RowDecoder
+
+
+def introw_shape(s: QuantScheme, shape) -> bool:
+    """Whether introw.c reads this 2-d weight as stored: integer codes of 2-8 bits in groups of a
+    multiple of 16 that divide the rows, scales in float32 / float16 / bfloat16 or two-level
+    (GGUF's k-quants), symmetric or with a float minimum (GGUF's Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), weight-only."""
+    fmt = s.format
+    if (not isinstance(fmt, IntFormat) or not 2 <= fmt.bits <= 8 or len(shape) != 2 or s.granularity != "group"
+            or s.activations is not None or s.double_quant or s.scale_format not in ("fp32", "fp16", "bf16")):
+        return False
+    if not (s.symmetric or s.zero_point == "float"):
+        return False
+    if s.super_block is not None and not (isinstance(s.sub_scale_format_of, IntFormat)
+                                          and s.sub_scale_format_of.bits <= 8):
+        return False
+    row_len, _ = RowDecoder.row_layout(s, shape)
+    return native.introw_supported(fmt.bits, row_len, s.group_size)
+
+
+def introw_first(s: QuantScheme, shape) -> bool:
+    """Whether the dequant kernel runs this weight's small batches through introw.c (where
+    lut4.c cannot read its parameters as stored)."""
+    return (introw_shape(s, shape) and not (RowDecoder.lut4_shape(s, shape) and RowDecoder.lut4_params_held(s))
+            and native.library() is not None)
 
 
 def lut4_first(s: QuantScheme, shape) -> bool:
@@ -42,6 +68,7 @@ class DequantWeight(PreparedWeight):
         self.bf16_batches = bf16_batches
         self.decoder = None
         self.lut4w = None
+        self.introw = None
         if rows and RowDecoder.supports(qt):
             self.decoder = RowDecoder(qt)
             lib = native.library() if self.decoder.lut4 and qt.device.type == "cpu" else None
@@ -49,6 +76,8 @@ class DequantWeight(PreparedWeight):
                 # built once here; what it derives (float32 zero points, a per-tensor scale
                 # repeated per row) is held, and counted in nbytes
                 self.lut4w, self.extra_nbytes = self.new_lut4_weight()
+            elif qt.device.type == "cpu" and introw_first(qt.scheme, qt.shape):
+                self.introw = self.new_introw_weight()
 
     def new_lut4_weight(self, huge_pages: bool = True):
         """(the weight prepared for fewbits' 4-bit C kernels, the bytes it holds of its own: the
@@ -69,6 +98,26 @@ class DequantWeight(PreparedWeight):
                               dec.group_len, zero_points=zps, minimums=mins, huge_pages=huge_pages)
         return w, w.own_nbytes(list(qt.state_dict().values()))
 
+    def new_introw_weight(self):
+        """The weight prepared for introw.c: codes, scales and minimums as the QuantizedTensor
+        stores them (two-level ones as their packed sub-codes and super-block values)."""
+        qt, dec = self.qweight, self.decoder
+        s = qt.scheme
+        if s.super_block is not None:
+            sub = s.sub_scale_format_of
+            per = s.super_block // s.group_size
+
+            def two_level(codes, supers, negate):
+                return native.TwoLevel(codes, sub.bits, sub.signed, supers, per, negate)
+
+            scales = two_level(qt.sub_scales, qt.super_scales, False)
+            mins = two_level(qt.sub_minimums, qt.super_minimums, True) if qt.sub_minimums is not None else None
+        else:
+            scales = qt.scales
+            mins = qt.minimums if s.zero_point == "float" else None
+        return native.IntRowWeight(qt.codes, dec.fmt.bits, dec.fmt.signed, self.out_features, dec.row_len,
+                                   dec.group_len, scales, mins)
+
     def lut4_weight(self, lib):
         """The weight prepared for fewbits' 4-bit C kernels (built with the weight where its
         parameters are read as stored; otherwise built for each call), or None where the codes
@@ -86,12 +135,14 @@ class DequantWeight(PreparedWeight):
         return w
 
     def row_call(self):
+        if self.introw is not None:
+            return "fb_introw_row", self.introw.row_call(self.in_features), native.introw_rc, self.introw
         if self.lut4w is None or self.qweight.scheme.activations is not None:
             return None
         return "fb_lut4_row", self.lut4w.row_call(self.in_features), native.lut4_rc, self.lut4w
 
     def tile_call(self):
-        return "fb_lut4_tiles" if self.bf16_batches and self.row_call() is not None else None
+        return "fb_lut4_tiles" if self.bf16_batches and self.lut4w is not None and self.row_call() is not None else None
 
     def forward(self, x2d, bias, dtype):
         return self.matmul(x2d, bias, dtype, self.bf16_batches and self.qweight.scheme.activations is None)
@@ -106,6 +157,11 @@ class DequantWeight(PreparedWeight):
         if dec is None:
             return with_bias(F.linear(x2d, self.qweight.dequantize(x2d.dtype)), bias, dtype)
         n, rows = self.out_features, x2d.shape[0]
+        if (self.introw is not None and rows <= LUT4_MAX_BATCH and x2d.device.type == "cpu"
+                and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            lib = native.library()
+            if lib is not None:  # introw.c: the codes read as stored, once per 8 rows of x
+                return finished(self.introw.matmul(lib, x2d.to(torch.float32)), bias, dtype)
         lib = native.library() if dec.lut4 and x2d.device.type == "cpu" else None
         w = self.lut4_weight(lib)
         if w is not None and rows <= LUT4_MAX_BATCH and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16):

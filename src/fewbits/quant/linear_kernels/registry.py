@@ -13,7 +13,7 @@ import torch
 from ..scheme import get_scheme
 from .base import LinearKernel
 from .bf16 import BF16
-from .dequant import DEQUANT, DEQUANT_FP32, lut4_first
+from .dequant import DEQUANT, DEQUANT_FP32, introw_first, lut4_first
 from .fp8 import W8A8_FP8
 from .int4pack import INT4PACK
 from .int8pack import INT8PACK
@@ -22,9 +22,11 @@ from .w8a8_gemm import W8A8_INT_MM, W8A8_ONEDNN
 from .w8a8_panels import W8A8_AMX, W8A8_VNNI
 
 
-def _lut4_lead(s, shape, device) -> bool:
-    # fewbits' 4-bit C kernels with the parameters as stored: faster than tinygemm at every batch, exact
-    return device.type == "cpu" and s.activations is None and lut4_first(s, shape)
+def _native_lead(s, shape, device) -> bool:
+    # fewbits' 4-bit C kernels with the parameters as stored: faster than tinygemm at every batch,
+    # exact; and introw.c's one-row kernel for the GGUF types lut4.c cannot read as stored (q4_k:
+    # tinygemm would take its activations to bfloat16 and has no one-row call for the decoder)
+    return device.type == "cpu" and s.activations is None and (lut4_first(s, shape) or introw_first(s, shape))
 
 
 def _off_cpu(s, shape, device) -> bool:
@@ -34,7 +36,7 @@ def _off_cpu(s, shape, device) -> bool:
 # (kernel, a condition on its place here or None). A kernel may appear twice: the first place
 # whose condition holds counts.
 ORDER: tuple[tuple[LinearKernel, object], ...] = (
-    (DEQUANT, _lut4_lead),
+    (DEQUANT, _native_lead),
     (W4A8_KERNEL, None),
     (W8A8_AMX, None),
     (W8A8_VNNI, None),
