@@ -1,6 +1,7 @@
 """introw.c (GGUF's Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as fewbits holds them, read as stored)
-against the obviously-correct arithmetic, in two builds: the library fewbits loads (-march=native:
-AVX-512 VBMI where the CPU has it) and baseline x86-64 (scalar C). Every build must give:
+against the obviously-correct arithmetic, in three builds: the library fewbits loads (-march=native:
+AVX-512 VBMI where the CPU has it), x86-64-v3 (AVX2 and BMI2: the parameters' fast path, the
+matmul's scalar loop) and baseline x86-64 (scalar C). Every build must give:
 - decode: QuantizedTensor.dequantize()'s float32 weights bit for bit (plain and two-level scales,
   float minimums, rows that end inside a super-block);
 - the matmul (1 to 9 rows of x, x narrower than the rows): within float32 summation error of the
@@ -22,7 +23,7 @@ SCHEMES = ["q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1"]
 SHAPES = [(70, 576), (33, 512), (5, 800), (3, 32)]  # 576, 800: rows ending inside a super-block of 256
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64"])
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
 def lib(request, tmp_path_factory):
     return build_c_source(SRC, request.param, tmp_path_factory.mktemp(request.param), native.declare_introw, ())
 

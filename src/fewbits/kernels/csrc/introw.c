@@ -18,7 +18,9 @@
  * decoded weights, 16 at a time, and sums the products in float32 (fused multiply-adds, four
  * chains for one row of x): x @ W.T up to the order of the float32 sums, as any GEMM's; the
  * columns past x's kx are left out (no inf * 0 of a padding column).
- * Two builds, chosen by the compiler's target (-march=native):
+ * The row's parameters are computed first (param_fill: two-level sub-codes of up to 7 bits 8 at a
+ * time by one 64-bit read and BMI2's pdep, converted with AVX2; 8-bit ones as bytes).
+ * Two builds of the matmul's loop, chosen by the compiler's target (-march=native):
  *   AVX-512 with VBMI (Ice Lake and later Xeons, AMD Zen 4): 16 codes a step, their bytes loaded
  *      with a mask, each code's two bytes placed in a 32-bit lane by one byte permute
  *      (vpermb), shifted up to the lane's top and back (arithmetic shift: sign-extended), converted
@@ -33,7 +35,7 @@
 #include "rowwalk.h"
 #include "threads.h"
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__BMI2__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
@@ -129,13 +131,48 @@ static void param_fill(const IntParam *p, int64_t n, int64_t groups, int64_t g0,
         return;
     }
     const int32_t bits = p->sub_bits, sgn = p->sub_signed;
+    const int64_t sub_bytes = (p->rows * groups * bits + 7) / 8; /* the stream's length */
+    (void)sub_bytes;
     for (int64_t g = g0; g < g1;) {
         const int64_t sb = g / p->per_super, end = (sb + 1) * p->per_super < g1 ? (sb + 1) * p->per_super : g1;
         const float d = value_at(p->v, p->kind, n * p->supers + sb);
-        for (; g < end; g++) {
-            const float c = d * (float)field(p->sub, n * groups + g, bits, sgn);
-            out[g - g0] = p->negate ? -c : c;
+        float *o = out + (g - g0);
+        const int64_t first = n * groups + g, cnt = end - g; /* this super-block's fields here */
+        int64_t j = 0;
+        if (bits == 8) { /* the bytes are the codes */
+            const uint8_t *c8 = p->sub + first;
+            if (sgn)
+                for (; j < cnt; j++) o[j] = d * (float)(int8_t)c8[j];
+            else
+                for (; j < cnt; j++) o[j] = d * (float)c8[j];
         }
+#if defined(__BMI2__)
+        /* 8 fields of <= 7 bits from one 64-bit read within the stream, spread to bytes by pdep */
+        if (bits <= 7) {
+            const uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
+            const int32_t half = 1 << (bits - 1);
+            for (; cnt - j >= 8; j += 8) {
+                const int64_t bit = (first + j) * bits;
+                if ((bit >> 3) + 8 > sub_bytes) break;
+                uint64_t w;
+                memcpy(&w, p->sub + (bit >> 3), 8);
+                const uint64_t spread = _pdep_u64(w >> (bit & 7), mask);
+#if defined(__AVX2__)
+                __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)spread));
+                if (sgn) v = _mm256_sub_epi32(_mm256_xor_si256(v, _mm256_set1_epi32(half)), _mm256_set1_epi32(half));
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(v)));
+#else
+                uint8_t c[8];
+                memcpy(c, &spread, 8);
+                for (int k = 0; k < 8; k++) o[j + k] = d * (float)(sgn ? ((int32_t)c[k] ^ half) - half : (int32_t)c[k]);
+#endif
+            }
+        }
+#endif
+        for (; j < cnt; j++) o[j] = d * (float)field(p->sub, first + j, bits, sgn);
+        if (p->negate)
+            for (j = 0; j < cnt; j++) o[j] = -o[j];
+        g = end;
     }
 }
 
@@ -221,11 +258,13 @@ static inline __attribute__((always_inline)) __m512 unpack_const(const uint8_t *
 static inline __attribute__((always_inline)) int64_t full_chunks(
     const uint8_t *row, const Unpack *u, const float *xp, const float *sb, const float *mb, int64_t c, int64_t c0,
     int64_t full, int64_t step_bytes, int64_t ahead, __m512 *acc, const int is_signed, const int has_m,
-    const int gshift) {
+    const int gshift, const int eight) {
     __m512 B0 = acc[0], B1 = acc[1], B2 = acc[2], B3 = acc[3];
     const __m512i idx = u->idx, shl = u->shl, shr = u->shr;
     const __mmask16 load = u->load;
-#define UNPACKED(c) unpack_const(row + (c) * step_bytes, idx, shl, shr, load, is_signed)
+#define UNPACKED(c)                                                                                \
+    (eight ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * (c))))) \
+           : unpack_const(row + (c) * step_bytes, idx, shl, shr, load, is_signed))
 #define WEIGHTS(c)                                                                                 \
     (has_m ? _mm512_add_ps(_mm512_mul_ps(UNPACKED(c), _mm512_set1_ps(sb[((c) - c0) >> gshift])),   \
                            _mm512_set1_ps(mb[((c) - c0) >> gshift]))                              \
@@ -285,19 +324,21 @@ static void row_of(const IntRow *r, const Unpack *u, int64_t n, const float *xp,
             const int64_t full = c1 == chunks && r->kx % 16 ? c1 - 1 : c1; /* chunks with every lane live */
             __m512 acc[4] = {B0, B1, B2, B3};
             const int variant = is_signed * 4 + has_m * 2 + gshift;
-            if (gshift <= 1) /* the GGUF blocks' groups of 16 and 32: loops with the choices made */
+            if (r->bits == 8 && is_signed && !has_m && gshift == 1) /* Q8_0: the bytes are the codes */
+                c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 0, 1, 1);
+            else if (gshift <= 1) /* the GGUF blocks' groups of 16 and 32: loops with the choices made */
                 switch (variant) {
-                case 0: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 0, 0); break;
-                case 1: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 0, 1); break;
-                case 2: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 1, 0); break;
-                case 3: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 1, 1); break;
-                case 4: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 0, 0); break;
-                case 5: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 0, 1); break;
-                case 6: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 1, 0); break;
-                default: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 1, 1); break;
+                case 0: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 0, 0, 0); break;
+                case 1: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 0, 1, 0); break;
+                case 2: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 1, 0, 0); break;
+                case 3: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 0, 1, 1, 0); break;
+                case 4: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 0, 0, 0); break;
+                case 5: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 0, 1, 0); break;
+                case 6: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 1, 0, 0); break;
+                default: c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, 1, 1, 1, 0); break;
                 }
             else
-                c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, is_signed, has_m, gshift);
+                c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, is_signed, has_m, gshift, 0);
             B0 = acc[0], B1 = acc[1], B2 = acc[2], B3 = acc[3];
             for (; c < c1; c++)
                 B0 = _mm512_mask3_fmadd_ps(DECODED(c), _mm512_loadu_ps(xp + 16 * c), B0, live_lanes(16 * c, r->kx));
