@@ -90,14 +90,14 @@ def bpe_tokenizer(pre="gpt-2", vocab=320):
     from transformers import PreTrainedTokenizerFast
 
     tk = tokenizers.Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
     if pre == "gpt-2":
         tk.pre_tokenizer = byte_level
     elif pre == "smollm":
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre == "llama-bpe":
+    elif pre in ("llama-bpe", "qwen2"):
         tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(gguf_file._llama3_split()), behavior="isolated"), byte_level])
+            [pre_tokenizers.Split(Regex(gguf_file.split_regex(pre)), behavior="isolated"), byte_level])
     elif pre == "whitespace":
         tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.decoder = decoders.ByteLevel()
@@ -557,10 +557,11 @@ def assert_nothing_written(directory, name):
 
 def test_unsupported_architecture(tmp_path):
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel|model_type 'gpt2'.*supported: LlamaForCausalLM, BertModel"):
+    supported = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, BertModel"
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel|model_type 'gpt2'.*" + supported):
         write_gguf(tmp_path / "x.gguf", {}, cfg)
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, BertModel"):
-        gguf_recipe("q4_0", {"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ValueError, match=supported):
+        gguf_recipe("q4_0", {"architectures": ["PhiForCausalLM"]})
     assert_nothing_written(tmp_path, "x.gguf")
 
 

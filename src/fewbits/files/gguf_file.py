@@ -93,6 +93,7 @@ import math
 import os
 import tempfile
 import typing
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 
@@ -104,8 +105,27 @@ from ..progress import counter
 from ..quant.tensor import QuantizedTensor
 from .gguf_blocks import GGUF_BLOCK_TYPES, encode_blocks, gguf_block_type
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "BertModel": "bert"}
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "bert": "BertModel"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", "BertModel": "bert"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "bert": "BertModel"}
+# the decoders: Llama's blocks (RMSNorm, rotary attention with grouped keys and values, SwiGLU);
+# Qwen2 adds biases to q/k/v, Qwen3 RMSNorms of q and k per head
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# per block, the tensors each decoder's GGUF must have besides Llama's
+_EXTRA_PER_BLOCK = {"Qwen2ForCausalLM": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                    "Qwen3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight")}
+
+
+def _decoder(arch: str) -> bool:
+    return arch in DECODERS
+
+
+def _rotary_permuted(arch: str) -> bool:
+    """Whether q/k rows are permuted for llama.cpp: its "llama" architecture rotates neighbouring
+    pairs of a head (RoPE type NORM) where transformers rotates its two halves; "qwen2" / "qwen3"
+    rotate halves as transformers does (NEOX), so their rows are written as they are."""
+    return ARCHITECTURES[arch] == "llama"
 UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXED_RECIPES = {"q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
 RECIPES = UNIFORM_RECIPES + tuple(MIXED_RECIPES)
@@ -178,7 +198,7 @@ class _Module:
 def _dims(cfg: dict, arch: str) -> dict:
     d = {k: _need(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                     "num_attention_heads", "vocab_size", "max_position_embeddings")}
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         d["num_key_value_heads"] = cfg.get("num_key_value_heads") or d["num_attention_heads"]
         head_dim = cfg.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         d["head_dim"] = head_dim
@@ -192,7 +212,7 @@ def _modules(cfg: dict, arch: str) -> list[_Module]:
     """The quantizable modules (Linears and the token embedding) in llama.cpp's order."""
     d = _dims(cfg, arch)
     h, ff, n = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         mods = [_Module("model.embed_tokens", "token_embd", -1, h)]
         o_in = d["num_attention_heads"] * d["head_dim"]
         for i in range(n):
@@ -330,10 +350,11 @@ _ALWAYS_F32 = ("position_embd.weight", "token_types.weight")
 def _required(cfg: dict, arch: str) -> list[str]:
     d = _dims(cfg, arch)
     n = d["num_hidden_layers"]
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         names = ["token_embd.weight", "output_norm.weight"] + ([] if d["tied"] else ["output.weight"])
         per = ["attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-               "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+               "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+               *_EXTRA_PER_BLOCK.get(arch, ())]
     else:
         names = [f"{t}.{s}" for t in ("token_embd_norm",) for s in ("weight", "bias")]
         names += ["token_embd.weight", "token_types.weight", "position_embd.weight"]
@@ -366,9 +387,9 @@ def _plan(tensors: Mapping, cfg: dict, arch: str) -> list[_Entry]:
         seen[gname] = name
         value = tensors[name]
         heads = None
-        if arch == "LlamaForCausalLM" and ".attn_q." in gname:
+        if _rotary_permuted(arch) and ".attn_q." in gname:
             heads = d["num_attention_heads"]
-        elif arch == "LlamaForCausalLM" and ".attn_k." in gname:
+        elif _rotary_permuted(arch) and ".attn_k." in gname:
             heads = d["num_key_value_heads"]
         if isinstance(value, QuantizedTensor):
             shape = tuple(value.shape)
@@ -514,17 +535,30 @@ class _Vocab:
     token_type_count: int | None = None
 
 
-def _llama3_split():
-    """The split regex transformers applies to a "llama-bpe" GGUF tokenizer (Llama 3's)."""
+# tokenizer.ggml.pre names of split regexes (llama.cpp's names; transformers' GGUF reader holds the
+# regex of each), the first that matches is written
+_SPLIT_NAMES = ("llama-bpe", "qwen2", "tekken")
+
+
+def split_regex(name: str) -> str | None:
+    """The split regex transformers' GGUF reader applies to a tokenizer.ggml.pre `name` (None where
+    it has none, or transformers is not installed)."""
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
     except ImportError:
         return None
-    return GGUF_PRE_TOKENIZER_SPLITS.get("llama-bpe")
+    return GGUF_PRE_TOKENIZER_SPLITS.get(name)
+
+
+def _split_name(regex: str) -> str | None:
+    """The tokenizer.ggml.pre name whose split regex is `regex`: Llama 3's ("llama-bpe"), Qwen2's
+    and Qwen3's ("qwen2"), Mistral's Tekken's."""
+    return next((n for n in _SPLIT_NAMES if split_regex(n) == regex), None)
 
 
 BPE_PRE_TOKENIZERS = ("gpt-2 (ByteLevel with its regex)", "smollm (Digits(individual_digits) + ByteLevel)",
-                      "llama-bpe (Split(Llama-3 regex) + ByteLevel without regex)")
+                      "llama-bpe, qwen2 or tekken (Split(Llama-3's, Qwen2's or Tekken's regex) + ByteLevel without "
+                      "regex)")
 
 
 def _bpe_pre(pre: dict | None) -> tuple[str, bool]:
@@ -540,9 +574,9 @@ def _bpe_pre(pre: dict | None) -> tuple[str, bool]:
     if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True):
         split = parts[0]
         regex = (split.get("pattern") or {}).get("Regex")
-        if regex is not None and regex == _llama3_split() and split.get("behavior") == "Isolated" \
-                and not split.get("invert", False):
-            return "llama-bpe", prefix
+        name = _split_name(regex) if regex is not None else None
+        if name is not None and split.get("behavior") == "Isolated" and not split.get("invert", False):
+            return name, prefix
     raise ValueError(f"the tokenizer's pre-tokenizer {json.dumps(pre)[:300]} is not one this GGUF writer "
                      f"knows how to name for llama.cpp; supported: {'; '.join(BPE_PRE_TOKENIZERS)}")
 
@@ -574,7 +608,7 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
     backend = json.loads(tok.backend_tokenizer.to_str())
     kind = (backend.get("model") or {}).get("type")
     vocab_size = _need(cfg, "vocab_size")
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         if kind != "BPE" or (backend.get("model") or {}).get("byte_fallback"):
             raise ValueError(f"a {arch} GGUF is written with a byte-level BPE tokenizer (llama.cpp's gpt2 "
                              f"vocabulary); this tokenizer is {kind}"
@@ -714,7 +748,7 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
     w.add_block_count(d["num_hidden_layers"])
     w.add_feed_forward_length(d["intermediate_size"])
     w.add_head_count(d["num_attention_heads"])
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         w.add_head_count_kv(d["num_key_value_heads"])
         theta, factor = _rope(cfg)
         w.add_rope_freq_base(theta)
@@ -737,13 +771,21 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
 
 def _check_config(cfg: dict, arch: str) -> None:
     _dims(cfg, arch)
-    act = cfg.get("hidden_act", "silu" if arch == "LlamaForCausalLM" else "gelu")
-    want = "silu" if arch == "LlamaForCausalLM" else "gelu"
+    act = cfg.get("hidden_act", "silu" if _decoder(arch) else "gelu")
+    want = "silu" if _decoder(arch) else "gelu"
     if act != want:
         raise ValueError(f"llama.cpp's {ARCHITECTURES[arch]} architecture computes {want}; this config has "
                          f"hidden_act {act!r}")
-    if arch == "LlamaForCausalLM":
+    if _decoder(arch):
         _rope(cfg)
+        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: llama.cpp's qwen2 attends over the whole context; this "
+                             "config limits attention to a sliding window")
+        window = cfg.get("sliding_window")
+        if arch == "MistralForCausalLM" and isinstance(window, int) and window < _dims(cfg, arch)["max_position_embeddings"]:
+            warnings.warn(f"sliding_window {window}: llama.cpp's llama architecture (which Mistral is written as, as "
+                          "llama.cpp's converter writes it) attends over the whole context, so beyond "
+                          f"{window} tokens it computes otherwise than transformers", UserWarning, stacklevel=4)
     elif cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg.get('position_embedding_type')!r}: llama.cpp's BERT "
                          "has absolute position embeddings only")

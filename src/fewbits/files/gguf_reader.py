@@ -57,6 +57,10 @@ from .safetensors_format import FileFormatError
 __all__ = ["read_gguf", "gguf_to_pretrained", "gguf_to_float_pretrained", "llama_config", "check_gguf"]
 
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}
+# GGUF architecture: (transformers config class, model class, q / k rows permuted by llama.cpp's
+# converter). Mistral is written as "llama" by llama.cpp's converter (and fewbits'), read as Llama.
+ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM", True), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False)}
 # llama.* keys read into the config (below), and keys known to leave a dense llama's numbers as they are
 _READ = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
          "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
@@ -152,7 +156,7 @@ def _check_other_keys(k: _Keys) -> None:
             k.fail(f"{full} is not a key fewbits applies (it reads {', '.join(sorted(_READ))}); "
                    "refusing rather than ignoring it")
         if _NEUTRAL[key] is not None and (v.type not in INTEGER_TYPES or v.value != _NEUTRAL[key]):
-            k.fail(f"{full} = {_shown(v.value)}: fewbits' llama runs dense models only ({key} {_NEUTRAL[key]})")
+            k.fail(f"{full} = {_shown(v.value)}: fewbits runs dense models only ({key} {_NEUTRAL[key]})")
 
 
 def _check_vocabulary(header: GGUFHeader, rows: int, cfg: dict) -> None:
@@ -187,14 +191,17 @@ def _check_vocabulary(header: GGUFHeader, rows: int, cfg: dict) -> None:
 
 
 def llama_config(header: GGUFHeader) -> dict:
-    """The transformers LlamaConfig fields of a validated GGUF header (see the module docstring);
-    a FileFormatError naming the file and the key for anything fewbits would not run as llama.cpp."""
+    """The transformers config fields (LlamaConfig, Qwen2Config or Qwen3Config) of a validated GGUF
+    header (see the module docstring); a FileFormatError naming the file and the key for anything
+    fewbits would not run as llama.cpp."""
     arch = header.metadata.get("general.architecture")
     if arch is None or arch.type != "string":
         raise FileFormatError(header.path, "general.architecture is missing or not a string")
-    if arch.value != "llama":
-        raise FileFormatError(header.path, f"fb.from_pretrained reads llama GGUF files; this one is {arch.value!r}")
-    k = _Keys(header, "llama.")
+    if arch.value not in ARCHITECTURES:
+        raise FileFormatError(header.path, f"fb.from_pretrained reads GGUF files of the architectures "
+                                           f"{', '.join(ARCHITECTURES)}; this one is {arch.value!r}")
+    p = arch.value + "."
+    k = _Keys(header, p)
     _check_other_keys(k)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embed is None or len(embed.dims) != 2:
@@ -203,31 +210,31 @@ def llama_config(header: GGUFHeader) -> dict:
     layers = k.int("block_count")
     present = _blocks_present(header)
     if len(present) != layers or max(present, default=-1) != layers - 1:  # never set(range(layers)): 2^32
-        k.fail(f"llama.block_count is {layers}, but the file's tensors are of "
+        k.fail(f"{p}block_count is {layers}, but the file's tensors are of "
                f"{len(present)} block(s) numbered {min(present, default=0)}..{max(present, default=-1)}")
     if k.int("embedding_length") != hidden:
-        k.fail(f"llama.embedding_length is {k.int('embedding_length')}, token_embd.weight's rows have {hidden}")
+        k.fail(f"{p}embedding_length is {k.int('embedding_length')}, token_embd.weight's rows have {hidden}")
     vocab = k.int("vocab_size", rows)
     if vocab != rows:
-        k.fail(f"llama.vocab_size is {vocab}, token_embd.weight has {rows} rows")
+        k.fail(f"{p}vocab_size is {vocab}, token_embd.weight has {rows} rows")
     heads = k.int("attention.head_count")
     kv_heads = k.int("attention.head_count_kv", heads)
     if heads % kv_heads:
-        k.fail(f"llama.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
-    if "llama.attention.key_length" in header.metadata:
+        k.fail(f"{p}attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if p + "attention.key_length" in header.metadata:
         head_dim = k.int("attention.key_length")
     elif hidden % heads:
-        k.fail(f"llama.embedding_length {hidden} is not a multiple of attention.head_count {heads}")
+        k.fail(f"{p}embedding_length {hidden} is not a multiple of attention.head_count {heads}")
     else:
         head_dim = hidden // heads
     if k.int("attention.value_length", head_dim) != head_dim:
-        k.fail(f"llama.attention.value_length {k.int('attention.value_length')} differs from key_length {head_dim}")
+        k.fail(f"{p}attention.value_length {k.int('attention.value_length')} differs from key_length {head_dim}")
     if head_dim < 2 or head_dim % 2:
-        k.fail(f"heads of {head_dim} dimensions (llama.embedding_length {hidden}, attention.head_count {heads}, "
+        k.fail(f"heads of {head_dim} dimensions ({p}embedding_length {hidden}, attention.head_count {heads}, "
                "key_length): the rotary embedding needs an even count")
     rope_dims = k.int("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
-        k.fail(f"llama.rope.dimension_count {rope_dims}: fewbits rotates whole heads, of {head_dim} dimensions "
+        k.fail(f"{p}rope.dimension_count {rope_dims}: fewbits rotates whole heads, of {head_dim} dimensions "
                "(partial rotary is not supported)")
     ffn = k.int("feed_forward_length")
     # the sizes the model is built with must be the tensors' own, checked before it is built
@@ -239,8 +246,8 @@ def llama_config(header: GGUFHeader) -> dict:
         if t is None:
             k.fail(f"{name} is missing")
         if len(t.dims) != 2 or t.dims[-1] != size:
-            k.fail(f"{name} has {t.dims[-1]} rows, but llama.{what} is {size}")
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": rows,
+            k.fail(f"{name} has {t.dims[-1]} rows, but {p}{what} is {size}")
+    cfg = {"model_type": arch.value, "architectures": [ARCHITECTURES[arch.value][1]], "vocab_size": rows,
            "max_position_embeddings": k.int("context_length"), "hidden_size": hidden,
            "num_hidden_layers": layers, "intermediate_size": ffn,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -253,15 +260,22 @@ def llama_config(header: GGUFHeader) -> dict:
     return cfg
 
 
+def _config(cfg: dict):
+    """The transformers config object of llama_config's fields (its architecture's class)."""
+    import transformers
+
+    return getattr(transformers, ARCHITECTURES[cfg["model_type"]][0])(**cfg)
+
+
 def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{GGUF name: (Hugging Face name, torch shape)} of every tensor the config's model saves."""
     import gguf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(**cfg)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)  # sizes checked against the tensors before (llama_config)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    config = _config(cfg)
+    with torch.device("meta"):  # sizes checked against the tensors before (llama_config)
+        model = getattr(transformers, ARCHITECTURES[cfg["model_type"]][1])(config)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[cfg["model_type"].upper()], config.num_hidden_layers)
     out = {}
     for name, t in model.state_dict().items():
         if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
@@ -289,12 +303,14 @@ def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dic
     try:
         expected = _expected_names(cfg)
     except (ValueError, TypeError, RuntimeError, OverflowError, ZeroDivisionError) as e:
-        raise FileFormatError(path, f"transformers cannot build the llama it describes: {e}") from None
+        raise FileFormatError(path, f"transformers cannot build the {cfg['model_type']} it describes: {e}") from None
     except Exception as e:  # noqa: BLE001 - huggingface_hub's strict dataclass errors have no common base
         if not type(e).__name__.startswith("StrictDataclass"):
             raise
-        raise FileFormatError(path, f"transformers cannot build the llama it describes: {e}") from None
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+        raise FileFormatError(path, f"transformers cannot build the {cfg['model_type']} it describes: {e}") from None
+    # llama.cpp's "llama" rows of q / k permuted (rotary pairs); qwen2 / qwen3 as transformers holds them
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} \
+        if ARCHITECTURES[cfg["model_type"]][2] else {}
     data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors, problems = {}, []
     for t in header.tensors:
@@ -303,7 +319,7 @@ def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dic
                             "fewbits does not apply")
             continue
         if t.name not in expected:
-            problems.append(f"{t.name}: not a tensor of a llama model with {cfg['num_hidden_layers']} layers")
+            problems.append(f"{t.name}: not a tensor of a {cfg['model_type']} model with {cfg['num_hidden_layers']} layers")
             continue
         name, shape = expected.pop(t.name)
         if t.shape != shape:
@@ -370,8 +386,6 @@ def gguf_tokenizer(path, header: GGUFHeader):
 def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     """Write the llama GGUF file `path` as a fewbits Hugging Face directory (quantized tensors
     kept as they are in the file) with its tokenizer; returns out_dir."""
-    from transformers import LlamaConfig
-
     from .hf_dir import ShardWriter
 
     path = os.fspath(path)
@@ -382,14 +396,12 @@ def gguf_to_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     with ShardWriter(out_dir, overwrite=overwrite) as writer:
         for name, value in tensors.items():
             writer.add(name, value)
-        return writer.finish(LlamaConfig(**cfg), tokenizer)
+        return writer.finish(_config(cfg), tokenizer)
 
 
 def gguf_to_float_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
     """Write the llama GGUF file `path` dequantized, as a plain float32 Hugging Face directory
     (no quantization_config; a tied embedding tied again) with its tokenizer; returns out_dir."""
-    from transformers import LlamaConfig
-
     from .hf_dir import ShardWriter
 
     path = os.fspath(path)
@@ -406,4 +418,4 @@ def gguf_to_float_pretrained(path, out_dir, *, overwrite: bool = False) -> str:
             value = tensors.pop(name)
             writer.add(name, value.dequantize(torch.float32) if isinstance(value, QuantizedTensor)
                        else value.to(torch.float32))
-        return writer.finish(LlamaConfig(**cfg), tokenizer)
+        return writer.finish(_config(cfg), tokenizer)

@@ -1,0 +1,115 @@
+"""GGUF export of the decoders besides Llama: Mistral (written as llama.cpp's "llama", rows
+permuted), Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorms), both "qwen2"/"qwen3" (rotary halves, as
+transformers: no permutation). Each file is read by the other tools' readers -- gguf.GGUFReader
+for tensors and metadata (bit for bit), transformers' GGUF loader for the model (its logits equal
+to the model with fewbits' dequantized weights, bit for bit) and its tokenizer -- and by fewbits'
+own reader (fb.from_pretrained), whose model gives transformers' logits. llama.cpp runs them in
+benchmarks/bench_gguf_architectures.py (its tools are not in CI)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fewbits as fb
+from fewbits.files.gguf_file import gguf_recipe, write_gguf
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from test_gguf_file import TEXT, bpe_tokenizer, check_tensors, dequantized, fields  # noqa: E402
+
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# transformers' GGUF reader builds Qwen3 with its default head_dim (128; it does not read
+# attention.key_length for qwen3): the tiny model keeps hidden / heads = 128
+KINDS = {"mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": None}),
+         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
+         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 128})}
+
+
+def _model(kind: str, tied: bool = False, **overrides):
+    config_cls, model_cls, _, extra = KINDS[kind]
+    cfg = getattr(transformers, config_cls)(**{**SMALL, **extra, "tie_word_embeddings": tied, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms and biases away from their initial 1 / 0, so that a lost one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _tensors(model, scheme):
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = fb.quantize(v, scheme) if k.endswith("proj.weight") and scheme is not None else v.clone()
+    return out
+
+
+def _reference(model, tensors):
+    ref = type(model)(model.config).eval()
+    state = dequantized(tensors)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    ref.load_state_dict(state, strict=False)
+    return ref
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("scheme,tied", [("q4_0", False), ("q5_k", True), (None, False)])
+def test_transformers_reads_the_model_and_its_logits_are_fewbits(tmp_path, kind, scheme, tied):
+    model = _model(kind, tied=tied)
+    tensors = _tensors(model, scheme)
+    path = tmp_path / "m.gguf"
+    summary = write_gguf(path, tensors, model.config)
+    arch = KINDS[kind][2]
+    assert summary.architecture == arch
+    _, meta = fields(path)
+    assert meta["general.architecture"] == arch
+    assert meta[f"{arch}.attention.head_count_kv"] == 1 and meta[f"{arch}.block_count"] == 2
+    check_tensors(path, tensors, model.config, arch)  # qwen2/qwen3: rows as transformers holds them
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    if kind == "qwen2":
+        assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.1.attn_v.bias"} <= names
+    if kind == "qwen3":
+        assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
+    assert ("output.weight" in names) == (not tied)
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = _reference(model, tensors)(ids).logits
+        assert torch.equal(read(ids).logits, want)
+        mine = fb.from_pretrained(str(path))  # fewbits' reader: the blocks kept, its kernels' sums
+        got = mine(ids).logits
+    assert type(mine).__name__ == ("LlamaForCausalLM" if kind == "mistral" else type(model).__name__)
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_qwen_tokenizer_is_written_with_its_split_and_read_back_equal(tmp_path):
+    model = _model("qwen2")
+    tok = bpe_tokenizer("qwen2")
+    write_gguf(tmp_path / "q.gguf", _tensors(model, "q8_0"), model.config, tok)
+    _, meta = fields(tmp_path / "q.gguf")
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "qwen2"
+    gtok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf")
+    for text in (TEXT, "12345 678", " x  y\n\nz"):
+        assert gtok(text)["input_ids"] == tok(text)["input_ids"], text
+
+
+def test_recipes_cover_the_new_decoders():
+    for kind in KINDS:
+        cfg = _model(kind).config
+        r = gguf_recipe("q4_k_m", cfg)
+        assert r["model.layers.0.self_attn.q_proj"] == "q4_k" and r["model.layers.1.mlp.down_proj"] == "q6_k"
+
+
+def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_path):
+    model = _model("qwen2", use_sliding_window=True, sliding_window=64)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        write_gguf(tmp_path / "w.gguf", _tensors(model, None), model.config)
+    model = _model("mistral", sliding_window=64)
+    with pytest.warns(UserWarning, match="sliding_window 64"):
+        write_gguf(tmp_path / "m.gguf", _tensors(model, None), model.config)
+    model = _model("qwen2", hidden_act="gelu")
+    with pytest.raises(ValueError, match="silu"):
+        write_gguf(tmp_path / "g.gguf", _tensors(model, None), model.config)
