@@ -23,7 +23,8 @@ def _model(kind: str = "llama", dtype=torch.float32, **overrides):
 
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "mistral": ("MistralConfig", "MistralForCausalLM"),
-                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**SMALL, **overrides})
     config._attn_implementation = "sdpa"
@@ -75,6 +76,7 @@ def _check_exact(model, ids, new=NEW):
     ("llama", {"tie_word_embeddings": True}),
     ("mistral", {}),
     ("qwen2", {}),                                   # q/k/v biases
+    ("qwen3", {"head_dim": 16}),                     # q/k norms per head
 ])
 def test_float_models_bit_for_bit(kind, overrides):
     _check_exact(_model(kind, **overrides), _ids())
@@ -209,7 +211,7 @@ def _check_native(model, ids, new=NEW, rtol=NATIVE_RTOL):
 
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("llama", {"num_key_value_heads": 4}),
-                                            ("qwen2", {}), ("llama", {"head_dim": 32})])
+                                            ("qwen2", {}), ("qwen3", {"head_dim": 16}), ("llama", {"head_dim": 32})])
 @pytest.mark.parametrize("scheme", ["int4_g32", "nf4", "nvfp4", "q4_0", "int8", "w8a8", "w4a8"])
 def test_native_step_matches_the_torch_path(kind, overrides, scheme):
     model = _model(kind, **overrides)

@@ -29,7 +29,8 @@ the logits then move as much as between transformers' own attention implementati
 
 Supported: `model.config.model_type` in SUPPORTED, the layer structure of transformers'
 LlamaForCausalLM (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj and act_fn,
-input_layernorm, post_attention_layernorm, model.norm, model.rotary_emb, lm_head), a rotary
+input_layernorm, post_attention_layernorm, model.norm, model.rotary_emb, lm_head; Qwen3's
+self_attn.q_norm / k_norm, an RMSNorm of each head of q and k before the rotation), a rotary
 embedding whose frequencies do not depend on the sequence length, and no sliding window within
 the generated length. Anything else raises ValueError naming what is missing, before any work.
 The modules are looked up anew at each generate(), so a model changed in place (re-quantized,
@@ -60,9 +61,9 @@ __all__ = ["LlamaDecoder"]
 PATHS = ("auto", "native", "torch")
 _SILU = ("SiLUActivation", "SiLU")
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # rotary embeddings whose cos/sin for a position do not depend on how long the sequence is
 # ("dynamic" and "longrope" rescale their frequencies with the length)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -338,6 +339,13 @@ class LlamaDecoder:
                     raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model has {type(n).__name__}")
         if type(norm).__name__ not in _RMS_NORMS:
             raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model has {type(norm).__name__}")
+        # Qwen3: an RMSNorm of each head of q and k before the rotation
+        qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if kind == "qwen3" else None for layer in layers]
+        for pair in qk:
+            if pair is not None and any(type(n).__name__ not in _RMS_NORMS for n in pair):
+                raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model's q/k norms are "
+                                 f"{type(pair[0]).__name__}")
+        self._qk_norms = qk
         rope = getattr(rotary, "rope_type", "default")
         if rope not in _STATIC_ROPE:
             raise ValueError(f"LlamaDecoder needs a rotary embedding fixed per position ({', '.join(_STATIC_ROPE)}); "
@@ -355,7 +363,7 @@ class LlamaDecoder:
         types = getattr(config, "layer_types", None)
         if types is not None and all(t == "full_attention" for t in types):
             return None
-        if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
             return None
         return int(window)
 
@@ -365,6 +373,7 @@ class LlamaDecoder:
         cache of prompt + max_new_tokens positions; the arguments checked first."""
         _check(self.model, input_ids, max_new_tokens)
         embed, parts, norm, rotary, head, heads, kv_heads, head_dim, scaling = self._parts()
+        qk_norms = self._qk_norms
         total = input_ids.shape[1] + max_new_tokens
         window = self._window()
         if window is not None and total > window:
@@ -408,8 +417,11 @@ class LlamaDecoder:
             h = embed(ids)
             for i, (q_proj, k_proj, v_proj, o_proj, gate, up, down, act, norm1, norm2) in enumerate(parts):
                 x = _rms_norm(h, norm1)
-                q = q_proj(x).view(1, t, heads, head_dim).transpose(1, 2)
-                k = k_proj(x).view(1, t, kv_heads, head_dim).transpose(1, 2)
+                q = q_proj(x).view(1, t, heads, head_dim)
+                k = k_proj(x).view(1, t, kv_heads, head_dim)
+                if qk_norms[i] is not None:  # Qwen3: each head normalized, then rotated
+                    q, k = _rms_norm(q, qk_norms[i][0]), _rms_norm(k, qk_norms[i][1])
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
                 v = v_proj(x).view(1, t, kv_heads, head_dim).transpose(1, 2)
                 q = q * c + _rotate_half(q) * s
                 k = k * c + _rotate_half(k) * s
@@ -486,6 +498,12 @@ class LlamaDecoder:
                     return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
                 spec[key] = n.weight.detach().to(torch.float32)  # exact: what the product promotes it to
             spec["eps1"], spec["eps2"] = norm1.variance_epsilon, norm2.variance_epsilon
+            pair = self._qk_norms[i]
+            if pair is not None:
+                for key, eps, n in (("q_norm", "eps_q", pair[0]), ("k_norm", "eps_k", pair[1])):
+                    if not n.weight.is_floating_point() or n.weight.dtype == torch.float64:
+                        return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
+                    spec[key], spec[eps] = n.weight.detach().to(torch.float32), n.variance_epsilon
             layers.append(spec)
         return layers, None
 

@@ -1,6 +1,7 @@
 /* One decode step of a Llama-architecture model in one C call: every layer's RMSNorms, rotary
- * embedding, KV-cache write, one-query attention, SiLU gate and residuals, with the seven linear
- * layers of each run by their own one-row kernels (lut4.c's fb_lut4_row, w4a8.c's fb_w4a8_row,
+ * embedding (after Qwen3's per-head q/k RMSNorms where the layer has them), KV-cache write,
+ * one-query attention, SiLU gate and residuals, with the seven linear layers of each run by their
+ * own one-row kernels (lut4.c's fb_lut4_row, introw.c's fb_introw_row, w4a8.c's fb_w4a8_row,
  * int8w.c's fb_int8w_row, int8mm.c's fb_w8a8_amx_row: all int32 f(const void *args, const float
  * *x, float *y)) through the addresses Python hands over. What it replaces is Python: ~45 torch
  * ops a layer at 2-8 us each, more than a small model's layers' arithmetic.
@@ -32,6 +33,8 @@ typedef struct {
     Lin q, k, v, o, gate, up, down;
     const float *norm1, *norm2; /* [d] RMSNorm weights */
     float eps1, eps2;
+    const float *q_norm, *k_norm; /* [head_dim] RMSNorms of each head of q and k (Qwen3), or NULL */
+    float eps_q, eps_k;
 } DecLayer;
 
 typedef struct {
@@ -279,6 +282,10 @@ int32_t fb_decode_step(DecModel *m, float *h, int64_t pos) {
         RUN(q, 0, m->x, m->q);
         RUN(k, 1, m->x, m->k);
         RUN(v, 2, m->x, m->v);
+        if (L->q_norm) /* each head's RMSNorm before the rotation, as Qwen3's attention */
+            for (int64_t i = 0; i < H; i++) fb_decode_rms_norm(m->q + i * hd, L->q_norm, L->eps_q, hd, m->q + i * hd);
+        if (L->k_norm)
+            for (int64_t i = 0; i < KVH; i++) fb_decode_rms_norm(m->k + i * hd, L->k_norm, L->eps_k, hd, m->k + i * hd);
         fb_decode_rope(m->q, H, hd, cos, sin);
         fb_decode_rope(m->k, KVH, hd, cos, sin);
         float *kc = m->k_cache + l * KVH * P * hd, *vc = m->v_cache + l * KVH * P * hd;

@@ -62,7 +62,8 @@ def decode_heads_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 class _DecLayer(ctypes.Structure):
     _fields_ = [(n, _DecLin) for n in DECODE_LINEARS] + [
-        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float)]
+        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)]
 
 
 class _DecModel(ctypes.Structure):
@@ -85,7 +86,8 @@ class DecodeStep:
     one token in one C call (see decode.c), the linear layers through their RowKernels.
 
     layers: per layer a dict of RowKernels q, k, v, o, gate, up, down and the float32 RMSNorm
-    weights norm1, norm2 with their eps1, eps2. k_cache, v_cache: float32 contiguous [layers, 1,
+    weights norm1, norm2 with their eps1, eps2 (and, for Qwen3, q_norm, k_norm [head_dim] with eps_q,
+    eps_k: each head of q and k RMS-normalized before the rotation). k_cache, v_cache: float32 contiguous [layers, 1,
     kv_heads, capacity, head_dim], written at each step's position. cos, sin: float32
     [capacity, head_dim], the rotary embedding of each position. Shapes are checked here, once;
     the tensors are held for the object's life.
@@ -134,6 +136,12 @@ class DecodeStep:
                 self._keep.append(w)
                 setattr(entry, k, w.data_ptr())
             entry.eps1, entry.eps2 = float(spec["eps1"]), float(spec["eps2"])
+            for k, eps in (("q_norm", "eps_q"), ("k_norm", "eps_k")):  # Qwen3's per-head norms, optional
+                if spec.get(k) is not None:
+                    w = _f32_vector(spec[k], head_dim, f"layer {i} {k}")
+                    self._keep.append(w)
+                    setattr(entry, k, w.data_ptr())
+                    setattr(entry, eps, float(spec[eps]))
             self.kernels.append({name: spec[name] for name in DECODE_LINEARS})
         norm_f = _f32_vector(norm_f, d, "the final norm's weight")
         cos, sin = cos.contiguous(), sin.contiguous()
