@@ -13,6 +13,9 @@ multiple of 256: Q5_0 / Q8_0). With --makers fewbits, also the file `fewbits qua
 --scheme TYPE --format gguf` writes (types fewbits writes: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k,
 q5_k, q6_k). The files are kept in --work.
 
+With --own w4a8,int4: fewbits' own schemes on SmolLM2 (quantized in memory, the head too), each
+against llama-bench on llama.cpp's Q4_0 file (the row's llama-bench column).
+
 Each file at each thread count, every round in turn (llama-bench, then fewbits):
 - llama.cpp: `llama-bench -m FILE -p 0 -n N -t T -r 1 -o json` (tg N: N tokens decoded one at a
   time from an empty context after its own warm-up; its "avg_ts");
@@ -91,7 +94,7 @@ def llama_file(bin_dir: str, src: str, work: str, t: str) -> str:
 def fewbits_file(work: str, t: str) -> str:
     out = os.path.join(work, f"smollm2-fewbits-{t}.gguf")
     if not os.path.exists(out):
-        r = subprocess.run([sys.executable, "-m", "fewbits", "quantize", "smollm2", "--scheme", FEWBITS_SCHEMES[t],
+        r = subprocess.run([sys.executable, "-m", "fewbits.cli", "quantize", "smollm2", "--scheme", FEWBITS_SCHEMES[t],
                             "--format", "gguf", "--out", out, "--quiet"], capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"fewbits quantize {t} failed:\n{r.stderr[-2000:]}")
@@ -119,11 +122,17 @@ def llama_bench(bin_dir: str, path: str, threads: int, new: int) -> float:
 
 
 class FewbitsRunner:
-    def __init__(self, path: str):
+    def __init__(self, path: str, scheme: str | None = None):
         import fewbits as fb
         from fewbits.models.decoder import LlamaDecoder
 
-        self.model = fb.from_pretrained(path)
+        if scheme is None:  # the GGUF file as stored
+            self.model = fb.from_pretrained(path)
+        else:  # fewbits' own scheme on SmolLM2, as `fewbits generate smollm2 --scheme S` (the head too)
+            from fewbits.models import load_smollm2
+
+            self.model, _ = load_smollm2()
+            fb.quantize_model(self.model, scheme, tied="untie")
         self.decoder = LlamaDecoder(self.model, path="auto")
         self.ids = torch.tensor([[1]])
 
@@ -144,6 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements of each; the best counts")
+    p.add_argument("--own", default="",
+                   help="also fewbits' own schemes on SmolLM2 (e.g. w4a8,int4), each against llama-bench on "
+                        "llama.cpp's Q4_0 file (--types must include q4_0)")
     p.add_argument("--tools", default=None, help="llama.cpp's bin directory (default: setup_llama_tools.sh's)")
     p.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "fewbits", "bench-gguf-decode"))
     p.add_argument("--json", default=None)
@@ -168,16 +180,24 @@ def main(argv=None) -> int:
             files.append((t, "llama.cpp", llama_file(bin_dir, src, args.work, t)))
         if "fewbits" in makers:
             files.append((t, "fewbits", fewbits_file(args.work, t)))
+    own = [o.strip() for o in args.own.split(",") if o.strip()]
+    if own:
+        q40 = next((f[2] for f in files if f[0] == "q4_0" and f[1] == "llama.cpp"), None)
+        if q40 is None:
+            raise SystemExit("--own compares with llama.cpp's Q4_0 file: --types must include q4_0 (--makers llama)")
+        files += [(f"fewbits {o}", "(none: in memory)", q40) for o in own]
     runners = {}
     best: dict = {}
-    for path_ in [f[2] for f in files]:
-        runners[path_] = FewbitsRunner(path_)
-        runners[path_].run(threads[0], 16)  # warm-up: the native library, the first calls
+    for t, maker, path_ in files:
+        scheme = t.split(" ", 1)[1] if t.startswith("fewbits ") else None
+        key = (path_, scheme)
+        runners[key] = FewbitsRunner(path_, scheme)
+        runners[key].run(threads[0], 16)  # warm-up: the native library, the first calls
     for rnd in range(args.rounds):
         for t, maker, path_ in files:
             for th in threads:
                 lb = llama_bench(bin_dir, path_, th, args.new_tokens)
-                fbs = runners[path_].run(th, args.new_tokens)
+                fbs = runners[(path_, t.split(" ", 1)[1] if t.startswith("fewbits ") else None)].run(th, args.new_tokens)
                 key = (t, maker, th)
                 old = best.get(key, (0.0, 0.0))
                 best[key] = (max(old[0], lb), max(old[1], fbs))
@@ -188,7 +208,8 @@ def main(argv=None) -> int:
             lb, fbs = best[(t, maker, th)]
             rows.append({"type": t, "file": maker, "threads": th, "llama_bench_tok_s": round(lb, 1),
                          "fewbits_tok_s": round(fbs, 1), "ratio": round(fbs / lb, 2) if lb else None,
-                         "fewbits_path": runners[path_].path(), "tensor_types": gguf_types(path_)})
+                         "fewbits_path": runners[(path_, t.split(" ", 1)[1] if t.startswith("fewbits ") else None)].path(),
+                         "tensor_types": gguf_types(path_) if not t.startswith("fewbits ") else ""})
     log(f"\nSmolLM2-135M, tg{args.new_tokens}, best of {args.rounds} interleaved rounds, {cpu}\n")
     log("| type | file by | threads | llama-bench tok/s | fewbits tok/s | fewbits / llama-bench | fewbits path |")
     log("|---|---|---|---|---|---|---|")
@@ -197,7 +218,8 @@ def main(argv=None) -> int:
             f"{r['ratio']}x | {r['fewbits_path']} |")
     log("\ntensor types of each file (2-d):")
     for t, maker, path_ in files:
-        log(f"  {t} ({maker}): {gguf_types(path_)}")
+        if not t.startswith("fewbits "):
+            log(f"  {t} ({maker}): {gguf_types(path_)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "torch": torch.__version__, "new_tokens": args.new_tokens, "rounds": args.rounds,
