@@ -32,20 +32,14 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_gguf_decode import tools_dir  # noqa: E402  (llama.cpp's tools, built once by setup_llama_tools.sh)
+
 KINDS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def tools_dir(given):
-    if given:
-        return given
-    r = subprocess.run(["bash", os.path.join(HERE, "setup_llama_tools.sh")], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"setup_llama_tools.sh failed:\n{r.stderr[-3000:]}")
-    return r.stdout.strip().splitlines()[-1]
 
 
 def dressed(kind: str, out: str) -> str:
@@ -89,7 +83,6 @@ def write(directory: str, scheme: str, out: str) -> str:
 
             from fewbits.files.gguf_file import write_gguf
 
-            sys.path.insert(0, HERE)
             from bench_gguf import tensor_mapping
 
             m = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
