@@ -148,19 +148,20 @@ def test_gptq_or_a_budget_without_tokenizer_files_is_refused_clearly(llama, tmp_
 # GGUF targets: refused before the work of quantizing
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory, llama):
-    path = tmp_path_factory.mktemp("src") / "qwen2"
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=300)
+def phi(tmp_path_factory, llama):
+    """A model of an architecture GGUF export does not cover (Phi)."""
+    path = tmp_path_factory.mktemp("src") / "phi"
+    cfg = transformers.PhiConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=300)
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    transformers.PhiForCausalLM(cfg).save_pretrained(path)
     for f in os.listdir(llama):
         if f.startswith("tokenizer"):
             shutil.copy(llama / f, path / f)
     return path
 
 
-def test_gguf_of_an_unsupported_architecture_is_refused_before_any_work(qwen2, tmp_path):
+def test_gguf_of_an_unsupported_architecture_is_refused_before_any_work(phi, tmp_path):
     # was: refused by write_gguf after the whole quantization (and, with --budget, after the
     # per-layer sensitivity measurement: 17 s on a 2-layer model)
     from fewbits.study import quantization as sq
@@ -169,10 +170,10 @@ def test_gguf_of_an_unsupported_architecture_is_refused_before_any_work(qwen2, t
             mock.patch.object(conversion, "quantize_pretrained", _no_quantizing), \
             mock.patch.object(sq, "allocate_for_budget", _no_quantizing):
         for extra in (["--scheme", "q8_0"], ["--budget", "6"]):
-            rc, _, err = run(["quantize", str(qwen2), "--out", str(tmp_path / "m.gguf"), "--quiet", *extra])
-            assert rc == 2 and "does not support the architecture Qwen2ForCausalLM; supported: LlamaForCausalLM" in err
-        with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
-            convert(qwen2, tmp_path / "m.gguf", "q8_0")
+            rc, _, err = run(["quantize", str(phi), "--out", str(tmp_path / "m.gguf"), "--quiet", *extra])
+            assert rc == 2 and "does not support the architecture PhiForCausalLM; supported: LlamaForCausalLM" in err
+        with pytest.raises(ValueError, match="PhiForCausalLM"):
+            convert(phi, tmp_path / "m.gguf", "q8_0")
     assert os.listdir(tmp_path) == []
 
 
