@@ -104,9 +104,13 @@ def test_recipes_cover_the_new_decoders():
 
 
 def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_path):
-    model = _model("qwen2", use_sliding_window=True, sliding_window=64)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        write_gguf(tmp_path / "w.gguf", _tensors(model, None), model.config)
+    for kind in ("qwen2", "qwen3"):
+        model = _model(kind, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+        with pytest.raises(ValueError, match="use_sliding_window"):
+            write_gguf(tmp_path / "w.gguf", _tensors(model, None), model.config)
+    model = _model("qwen3", attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        write_gguf(tmp_path / "b.gguf", _tensors(model, None), model.config)
     model = _model("mistral", sliding_window=64)
     with pytest.warns(UserWarning, match="sliding_window 64"):
         write_gguf(tmp_path / "m.gguf", _tensors(model, None), model.config)

@@ -132,3 +132,9 @@ def test_bad_arguments_are_refused(lib):
         native.IntRowWeight(qt.codes[:10], 5, True, 4, 64, 32, qt.scales)
     with pytest.raises(ValueError, match="scales needs"):
         native.IntRowWeight(qt.codes, 5, True, 4, 64, 32, qt.scales[:1, :1])
+    with pytest.raises(ValueError, match="n must be"):
+        native.IntRowWeight(qt.codes, 5, True, -4, 64, 32, qt.scales)
+    with pytest.raises(ValueError, match="per_super"):
+        native.TwoLevel(qt.codes, 6, False, qt.scales, 0)
+    empty = native.IntRowWeight(qt.codes[:0], 5, True, 0, 64, 32, qt.scales[:0])
+    assert empty.matmul(lib, torch.ones(2, 64)).shape == (2, 0) and empty.decode(lib, 0, 0).shape == (0, 64)

@@ -778,9 +778,13 @@ def _check_config(cfg: dict, arch: str) -> None:
                          f"hidden_act {act!r}")
     if _decoder(arch):
         _rope(cfg)
-        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: llama.cpp's qwen2 attends over the whole context; this "
-                             "config limits attention to a sliding window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+            types = cfg.get("layer_types")
+            if not isinstance(types, (list, tuple)) or "sliding_attention" in types:
+                raise ValueError(f"use_sliding_window: llama.cpp's {ARCHITECTURES[arch]} attends over the whole "
+                                 "context; this config limits some layers' attention to a sliding window")
+        if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
+            raise ValueError("attention_bias: llama.cpp's qwen3 has no attention biases")
         window = cfg.get("sliding_window")
         if arch == "MistralForCausalLM" and isinstance(window, int) and window < _dims(cfg, arch)["max_position_embeddings"]:
             warnings.warn(f"sliding_window {window}: llama.cpp's llama architecture (which Mistral is written as, as "

@@ -54,6 +54,8 @@ class TwoLevel:
 
     def __init__(self, sub: torch.Tensor, sub_bits: int, sub_signed: bool, supers: torch.Tensor, per_super: int,
                  negate: bool = False):
+        if int(per_super) < 1:
+            raise ValueError(f"per_super must be at least 1, got {per_super}")
         self.sub, self.sub_bits, self.sub_signed = sub, int(sub_bits), bool(sub_signed)
         self.supers, self.per_super, self.negate = supers, int(per_super), bool(negate)
 
@@ -69,6 +71,8 @@ class IntRowWeight:
 
     def __init__(self, codes: torch.Tensor, bits: int, signed: bool, n: int, row_len: int, group: int, scales,
                  minimums=None, huge_pages: bool = True):
+        if int(n) < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
         if not introw_supported(bits, row_len, group):
             raise ValueError(f"{bits}-bit codes in rows of {row_len} in groups of {group}: need 2-8 bits and groups "
                              "of a multiple of 16 that divide the rows")
@@ -136,6 +140,8 @@ class IntRowWeight:
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty(m, self.n, dtype=torch.float32)
+        if self.n == 0 or m == 0:  # nothing to compute (an empty weight's pointers may be NULL)
+            return y
         args = self._args if k == self.row_len else self._row_struct(k)
         introw_rc(lib.fb_introw_matmul(ctypes.byref(args), x.data_ptr(), max(k, 1), m, y.data_ptr()))
         return y
@@ -162,6 +168,8 @@ class IntRowWeight:
             if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < count:
                 raise ValueError(f"out must be a contiguous CPU float32 tensor of at least {count} values")
             out = out.reshape(-1)[:count].view(r1 - r0, self.row_len)
+        if r1 == r0:
+            return out
         check_rc(lib.fb_introw_decode(ctypes.byref(self._args), r0, r1, out.data_ptr()),
                  "fb_introw_decode refused its arguments")
         return out
