@@ -117,3 +117,36 @@ def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_pat
     model = _model("qwen2", hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
         write_gguf(tmp_path / "g.gguf", _tensors(model, None), model.config)
+
+
+@pytest.mark.parametrize("kind,method", [(k, "rtn") for k in KINDS] + [("qwen3", "gptq")])
+def test_fewbits_quantize_streams_a_directory_of_each_architecture_into_gguf(tmp_path, kind, method):
+    """`fewbits quantize DIR --scheme q4_k_m --format gguf` (the streamed path, RTN or GPTQ, a
+    byte-level BPE tokenizer beside the weights): llama.cpp's mix of types, and the file reads back
+    in transformers and fewbits with the same logits, the GGUF's tokenizer the directory's."""
+    import contextlib
+    import io
+
+    from fewbits.cli import main
+    from tiny_tokenizer import save_byte_level_bpe
+
+    model = _model(kind)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    save_byte_level_bpe(src)
+    out = tmp_path / "m.gguf"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["quantize", str(src), "--scheme", "q4_k_m", "--format", "gguf", "--out", str(out), "--quiet",
+                   "--method", method])
+    assert rc == 0, err.getvalue()
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = read(ids).logits, fb.from_pretrained(str(out))(ids).logits
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    gtok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    assert gtok("hello world 123")["input_ids"] == tok("hello world 123")["input_ids"]
