@@ -150,3 +150,47 @@ def test_fewbits_quantize_streams_a_directory_of_each_architecture_into_gguf(tmp
     tok = transformers.AutoTokenizer.from_pretrained(src)
     gtok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     assert gtok("hello world 123")["input_ids"] == tok("hello world 123")["input_ids"]
+
+
+def test_crafted_qwen_files_are_refused_before_any_model_is_built(tmp_path):
+    """fewbits' reader of the new architectures (the file is untrusted): an architecture it does not
+    run, keys under another architecture's prefix, a qwen3 file without its q/k norms (a qwen2 file
+    relabelled), a qwen3 key_length the tensors do not hold: each a FileFormatError naming the file
+    and the problem."""
+    from gguf_craft import rewrite
+
+    from fewbits.files import FileFormatError
+
+    model = _model("qwen2")
+    src = tmp_path / "q.gguf"
+    write_gguf(src, _tensors(model, "q8_0"), model.config)
+    _, meta = fields(src)
+    keys = {k: v for k, v in meta.items() if k.startswith("qwen2.")}
+
+    def crafted(name, **edits):
+        out = tmp_path / name
+        rewrite(src, out, **edits)
+        return str(out)
+
+    def typed(v):
+        return ("f32", float(v)) if isinstance(v, float) else ("u32", int(v))
+
+    cases = {
+        "gemma3 architecture": (crafted("g.gguf", set={"general.architecture": ("string", "gemma3")}),
+                                "architectures llama, qwen2, qwen3; this one is 'gemma3'"),
+        "keys under llama.": (crafted("k.gguf", drop=tuple(keys), set={k.replace("qwen2.", "llama.", 1): typed(v)
+                                                                       for k, v in keys.items()}),
+                              "qwen2.block_count is missing"),
+        "qwen2 relabelled qwen3": (crafted("r.gguf", drop=tuple(keys),
+                                           set={"general.architecture": ("string", "qwen3"),
+                                                **{k.replace("qwen2.", "qwen3.", 1): typed(v) for k, v in keys.items()}}),
+                                   "not a tensor of a qwen3 model"),
+        "key_length": (crafted("h.gguf", set={"qwen2.attention.key_length": ("u32", 64),
+                                              "qwen2.attention.value_length": ("u32", 64),
+                                              "qwen2.rope.dimension_count": ("u32", 64)}),
+                       "attn_q.weight has 256 rows"),
+    }
+    for what, (path, message) in cases.items():
+        with pytest.raises(FileFormatError, match=message) as e:
+            fb.from_pretrained(path)
+        assert path in str(e.value), what
