@@ -231,25 +231,29 @@ static Unpack unpack_for(int32_t bits) {
     return u;
 }
 
-/* 16 codes at p (whole bytes) as float32 lanes */
-static inline __m512 unpack16(const uint8_t *p, const Unpack *u, int32_t is_signed) {
-    const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(u->load, (const void *)p));
-    const __m512i win = _mm512_maskz_permutexvar_epi8(0x3333333333333333ull, u->idx, raw);
-    const __m512i up = _mm512_sllv_epi32(win, u->shl);
-    return _mm512_cvtepi32_ps(is_signed ? _mm512_srav_epi32(up, u->shr) : _mm512_srlv_epi32(up, u->shr));
-}
-
-/* the lanes of chunk k..k+15 below kx (the rest: padding columns, left out) */
-static inline __mmask16 live_lanes(int64_t k, int64_t kx) {
-    return kx - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (kx - k)) - 1u);
-}
-
-/* unpack16 with the vectors in registers and is_signed a constant where inlined */
+/* 16 codes at p (whole bytes) as float32 lanes: each code's two bytes placed in its 32-bit lane
+ * (vpermb), shifted up to the lane's top and back (arithmetic shift: sign-extended); inlined with
+ * the vectors in registers and is_signed a constant */
 static inline __attribute__((always_inline)) __m512 unpack_const(const uint8_t *p, __m512i idx, __m512i shl,
                                                                   __m512i shr, __mmask16 load, const int is_signed) {
     const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(load, (const void *)p));
     const __m512i up = _mm512_sllv_epi32(_mm512_maskz_permutexvar_epi8(0x3333333333333333ull, idx, raw), shl);
     return _mm512_cvtepi32_ps(is_signed ? _mm512_srav_epi32(up, shr) : _mm512_srlv_epi32(up, shr));
+}
+
+static inline __m512 unpack16(const uint8_t *p, const Unpack *u, int32_t is_signed) {
+    return unpack_const(p, u->idx, u->shl, u->shr, u->load, is_signed);
+}
+
+/* 16 decoded weights: q * s, then + m (each one float32 rounding, as dequantize()) */
+static inline __attribute__((always_inline)) __m512 weights16(__m512 q, float s, float m, const int has_m) {
+    const __m512 w = _mm512_mul_ps(q, _mm512_set1_ps(s));
+    return has_m ? _mm512_add_ps(w, _mm512_set1_ps(m)) : w;
+}
+
+/* the lanes of chunk k..k+15 below kx (the rest: padding columns, left out) */
+static inline __mmask16 live_lanes(int64_t k, int64_t kx) {
+    return kx - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (kx - k)) - 1u);
 }
 
 /* chunks [c, full) of a row (multiples of 4 of them, every lane live) against one row of x,
@@ -265,10 +269,7 @@ static inline __attribute__((always_inline)) int64_t full_chunks(
 #define UNPACKED(c)                                                                                \
     (eight ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * (c))))) \
            : unpack_const(row + (c) * step_bytes, idx, shl, shr, load, is_signed))
-#define WEIGHTS(c)                                                                                 \
-    (has_m ? _mm512_add_ps(_mm512_mul_ps(UNPACKED(c), _mm512_set1_ps(sb[((c) - c0) >> gshift])),   \
-                           _mm512_set1_ps(mb[((c) - c0) >> gshift]))                              \
-           : _mm512_mul_ps(UNPACKED(c), _mm512_set1_ps(sb[((c) - c0) >> gshift])))
+#define WEIGHTS(c) weights16(UNPACKED(c), sb[((c) - c0) >> gshift], has_m ? mb[((c) - c0) >> gshift] : 0.0f, has_m)
     for (; c + 4 <= full; c += 4) {
         if (ahead) _mm_prefetch((const char *)(row + c * step_bytes + ahead), _MM_HINT_T0);
         B0 = _mm512_fmadd_ps(WEIGHTS(c), _mm512_loadu_ps(xp + 16 * c), B0);
@@ -282,12 +283,8 @@ static inline __attribute__((always_inline)) int64_t full_chunks(
     return c;
 }
 
-/* chunk c (16 codes) of a row decoded: q * s (+ m), each one float32 rounding */
-#define DECODED(c)                                                                                 \
-    (has_m ? _mm512_add_ps(_mm512_mul_ps(unpack16(row + (c) * step_bytes, u, is_signed),          \
-                                         _mm512_set1_ps(sb[((c) - c0) >> gshift])),              \
-                           _mm512_set1_ps(mb[((c) - c0) >> gshift]))                              \
-           : _mm512_mul_ps(unpack16(row + (c) * step_bytes, u, is_signed), _mm512_set1_ps(sb[((c) - c0) >> gshift])))
+/* chunk c (16 codes) of a row decoded, g its group among those whose parameters are in sb / mb */
+#define DECODED(c, g) weights16(unpack16(row + (c) * step_bytes, u, is_signed), sb[g], has_m ? mb[g] : 0.0f, has_m)
 
 /* row n of W against M rows of xp (each K floats, zero past kx) into y[i * N + n]: each chunk of
  * 16 weights decoded once (the row's parameters PARAM_CHUNK groups at a time), times x, summed
@@ -308,14 +305,13 @@ static void row_of(const IntRow *r, const Unpack *u, int64_t n, const float *xp,
     for (int64_t g0 = 0; g0 * per_group < chunks; g0 += PARAM_CHUNK) {
         const int64_t g1 = groups - g0 < PARAM_CHUNK ? groups : g0 + PARAM_CHUNK;
         const int64_t c0 = g0 * per_group, c1 = g1 * per_group < chunks ? g1 * per_group : chunks;
-        param_fill(r->s, n, groups, g0, (c1 - c0 + per_group - 1) / per_group + g0, sb);
-        if (has_m) param_fill(r->m, n, groups, g0, (c1 - c0 + per_group - 1) / per_group + g0, mb);
+        const int64_t g_end = g0 + (c1 - c0 + per_group - 1) / per_group; /* the groups x reaches */
+        param_fill(r->s, n, groups, g0, g_end, sb);
+        if (has_m) param_fill(r->m, n, groups, g0, g_end, mb);
         int64_t c = c0;
         if (gshift < 0) { /* groups of 48, 80, ...: each chunk's group by division */
             for (; c < c1; c++) {
-                const int64_t g = (c - c0) / per_group;
-                __m512 w = _mm512_mul_ps(unpack16(row + c * step_bytes, u, is_signed), _mm512_set1_ps(sb[g]));
-                if (has_m) w = _mm512_add_ps(w, _mm512_set1_ps(mb[g]));
+                const __m512 w = DECODED(c, (c - c0) / per_group);
                 const __mmask16 live = live_lanes(16 * c, r->kx);
                 for (int64_t i = 0; i < M; i++)
                     A[i] = _mm512_mask3_fmadd_ps(w, _mm512_loadu_ps(xp + i * r->K + 16 * c), A[i], live);
@@ -341,10 +337,10 @@ static void row_of(const IntRow *r, const Unpack *u, int64_t n, const float *xp,
                 c = full_chunks(row, u, xp, sb, mb, c, c0, full, step_bytes, ahead, acc, is_signed, has_m, gshift, 0);
             B0 = acc[0], B1 = acc[1], B2 = acc[2], B3 = acc[3];
             for (; c < c1; c++)
-                B0 = _mm512_mask3_fmadd_ps(DECODED(c), _mm512_loadu_ps(xp + 16 * c), B0, live_lanes(16 * c, r->kx));
+                B0 = _mm512_mask3_fmadd_ps(DECODED(c, (c - c0) >> gshift), _mm512_loadu_ps(xp + 16 * c), B0, live_lanes(16 * c, r->kx));
         } else {
             for (; c < c1; c++) {
-                const __m512 w = DECODED(c);
+                const __m512 w = DECODED(c, (c - c0) >> gshift);
                 const __mmask16 live = live_lanes(16 * c, r->kx);
                 for (int64_t i = 0; i < M; i++)
                     A[i] = _mm512_mask3_fmadd_ps(w, _mm512_loadu_ps(xp + i * r->K + 16 * c), A[i], live);
