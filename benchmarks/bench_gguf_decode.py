@@ -112,6 +112,11 @@ def gguf_types(path: str) -> str:
     return ", ".join(f"{k} x{v}" for k, v in c.most_common())
 
 
+def own_scheme(row_type: str) -> str | None:
+    """The fewbits scheme of a --own row ("fewbits w4a8" -> "w4a8"), None for a GGUF type's row."""
+    return row_type.split(" ", 1)[1] if row_type.startswith("fewbits ") else None
+
+
 def llama_bench(bin_dir: str, path: str, threads: int, new: int) -> float:
     r = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", path, "-p", "0", "-n", str(new), "-t",
                         str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True)
@@ -189,15 +194,14 @@ def main(argv=None) -> int:
     runners = {}
     best: dict = {}
     for t, maker, path_ in files:
-        scheme = t.split(" ", 1)[1] if t.startswith("fewbits ") else None
-        key = (path_, scheme)
-        runners[key] = FewbitsRunner(path_, scheme)
+        key = (path_, own_scheme(t))
+        runners[key] = FewbitsRunner(path_, own_scheme(t))
         runners[key].run(threads[0], 16)  # warm-up: the native library, the first calls
     for rnd in range(args.rounds):
         for t, maker, path_ in files:
             for th in threads:
                 lb = llama_bench(bin_dir, path_, th, args.new_tokens)
-                fbs = runners[(path_, t.split(" ", 1)[1] if t.startswith("fewbits ") else None)].run(th, args.new_tokens)
+                fbs = runners[(path_, own_scheme(t))].run(th, args.new_tokens)
                 key = (t, maker, th)
                 old = best.get(key, (0.0, 0.0))
                 best[key] = (max(old[0], lb), max(old[1], fbs))
@@ -208,8 +212,8 @@ def main(argv=None) -> int:
             lb, fbs = best[(t, maker, th)]
             rows.append({"type": t, "file": maker, "threads": th, "llama_bench_tok_s": round(lb, 1),
                          "fewbits_tok_s": round(fbs, 1), "ratio": round(fbs / lb, 2) if lb else None,
-                         "fewbits_path": runners[(path_, t.split(" ", 1)[1] if t.startswith("fewbits ") else None)].path(),
-                         "tensor_types": gguf_types(path_) if not t.startswith("fewbits ") else ""})
+                         "fewbits_path": runners[(path_, own_scheme(t))].path(),
+                         "tensor_types": gguf_types(path_) if own_scheme(t) is None else ""})
     log(f"\nSmolLM2-135M, tg{args.new_tokens}, best of {args.rounds} interleaved rounds, {cpu}\n")
     log("| type | file by | threads | llama-bench tok/s | fewbits tok/s | fewbits / llama-bench | fewbits path |")
     log("|---|---|---|---|---|---|---|")
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
             f"{r['ratio']}x | {r['fewbits_path']} |")
     log("\ntensor types of each file (2-d):")
     for t, maker, path_ in files:
-        if not t.startswith("fewbits "):
+        if own_scheme(t) is None:
             log(f"  {t} ({maker}): {gguf_types(path_)}")
     if args.json:
         with open(args.json, "w") as f:

@@ -121,11 +121,19 @@ def _decoder(arch: str) -> bool:
     return arch in DECODERS
 
 
+def rows_permuted(gguf_arch: str) -> bool:
+    """Whether a GGUF architecture's q/k rows are permuted from transformers' order: llama.cpp's
+    "llama" rotates neighbouring pairs of a head (RoPE type NORM) where transformers rotates its two
+    halves; "qwen2" / "qwen3" rotate halves as transformers does (NEOX), so their rows are as they are."""
+    return gguf_arch == "llama"
+
+
 def _rotary_permuted(arch: str) -> bool:
-    """Whether q/k rows are permuted for llama.cpp: its "llama" architecture rotates neighbouring
-    pairs of a head (RoPE type NORM) where transformers rotates its two halves; "qwen2" / "qwen3"
-    rotate halves as transformers does (NEOX), so their rows are written as they are."""
-    return ARCHITECTURES[arch] == "llama"
+    return rows_permuted(ARCHITECTURES[arch])
+
+
+# the transformers class each GGUF decoder architecture is read as (Mistral's files are "llama": Llama)
+READ_CLASSES = {ARCHITECTURES[a]: a for a in reversed(DECODERS)}
 UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXED_RECIPES = {"q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
 RECIPES = UNIFORM_RECIPES + tuple(MIXED_RECIPES)
@@ -770,7 +778,7 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
 
 
 def _check_config(cfg: dict, arch: str) -> None:
-    _dims(cfg, arch)
+    d = _dims(cfg, arch)
     act = cfg.get("hidden_act", "silu" if _decoder(arch) else "gelu")
     want = "silu" if _decoder(arch) else "gelu"
     if act != want:
@@ -786,7 +794,7 @@ def _check_config(cfg: dict, arch: str) -> None:
         if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
             raise ValueError("attention_bias: llama.cpp's qwen3 has no attention biases")
         window = cfg.get("sliding_window")
-        if arch == "MistralForCausalLM" and isinstance(window, int) and window < _dims(cfg, arch)["max_position_embeddings"]:
+        if arch == "MistralForCausalLM" and isinstance(window, int) and window < d["max_position_embeddings"]:
             warnings.warn(f"sliding_window {window}: llama.cpp's llama architecture (which Mistral is written as, as "
                           "llama.cpp's converter writes it) attends over the whole context, so beyond "
                           f"{window} tokens it computes otherwise than transformers", UserWarning, stacklevel=4)

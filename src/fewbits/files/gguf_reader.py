@@ -50,17 +50,13 @@ import torch
 
 from ..quant.tensor import QuantizedTensor, stored_problem
 from .gguf_blocks import GGUF_BLOCK_TYPES, decode_blocks
-from .gguf_file import rotary_permutation
+from .gguf_file import READ_CLASSES, rotary_permutation, rows_permuted
 from .gguf_header import FLOAT_TYPES, INTEGER_TYPES, GGUFHeader, read_header
 from .safetensors_format import FileFormatError
 
 __all__ = ["read_gguf", "gguf_to_pretrained", "gguf_to_float_pretrained", "llama_config", "check_gguf"]
 
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}
-# GGUF architecture: (transformers config class, model class, q / k rows permuted by llama.cpp's
-# converter). Mistral is written as "llama" by llama.cpp's converter (and fewbits'), read as Llama.
-ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM", True), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False)}
 # llama.* keys read into the config (below), and keys known to leave a dense llama's numbers as they are
 _READ = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
          "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
@@ -197,9 +193,9 @@ def llama_config(header: GGUFHeader) -> dict:
     arch = header.metadata.get("general.architecture")
     if arch is None or arch.type != "string":
         raise FileFormatError(header.path, "general.architecture is missing or not a string")
-    if arch.value not in ARCHITECTURES:
+    if arch.value not in READ_CLASSES:
         raise FileFormatError(header.path, f"fb.from_pretrained reads GGUF files of the architectures "
-                                           f"{', '.join(ARCHITECTURES)}; this one is {arch.value!r}")
+                                           f"{', '.join(sorted(READ_CLASSES))}; this one is {arch.value!r}")
     p = arch.value + "."
     k = _Keys(header, p)
     _check_other_keys(k)
@@ -247,7 +243,7 @@ def llama_config(header: GGUFHeader) -> dict:
             k.fail(f"{name} is missing")
         if len(t.dims) != 2 or t.dims[-1] != size:
             k.fail(f"{name} has {t.dims[-1]} rows, but {p}{what} is {size}")
-    cfg = {"model_type": arch.value, "architectures": [ARCHITECTURES[arch.value][1]], "vocab_size": rows,
+    cfg = {"model_type": arch.value, "architectures": [READ_CLASSES[arch.value]], "vocab_size": rows,
            "max_position_embeddings": k.int("context_length"), "hidden_size": hidden,
            "num_hidden_layers": layers, "intermediate_size": ffn,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -264,7 +260,7 @@ def _config(cfg: dict):
     """The transformers config object of llama_config's fields (its architecture's class)."""
     import transformers
 
-    return getattr(transformers, ARCHITECTURES[cfg["model_type"]][0])(**cfg)
+    return getattr(transformers, READ_CLASSES[cfg["model_type"]].replace("ForCausalLM", "Config"))(**cfg)
 
 
 def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -274,7 +270,7 @@ def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 
     config = _config(cfg)
     with torch.device("meta"):  # sizes checked against the tensors before (llama_config)
-        model = getattr(transformers, ARCHITECTURES[cfg["model_type"]][1])(config)
+        model = getattr(transformers, READ_CLASSES[cfg["model_type"]])(config)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[cfg["model_type"].upper()], config.num_hidden_layers)
     out = {}
     for name, t in model.state_dict().items():
@@ -310,7 +306,7 @@ def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dic
         raise FileFormatError(path, f"transformers cannot build the {cfg['model_type']} it describes: {e}") from None
     # llama.cpp's "llama" rows of q / k permuted (rotary pairs); qwen2 / qwen3 as transformers holds them
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} \
-        if ARCHITECTURES[cfg["model_type"]][2] else {}
+        if rows_permuted(cfg["model_type"]) else {}
     data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors, problems = {}, []
     for t in header.tensors:

@@ -345,14 +345,13 @@ class LlamaDecoder:
             if pair is not None and any(type(n).__name__ not in _RMS_NORMS for n in pair):
                 raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model's q/k norms are "
                                  f"{type(pair[0]).__name__}")
-        self._qk_norms = qk
         rope = getattr(rotary, "rope_type", "default")
         if rope not in _STATIC_ROPE:
             raise ValueError(f"LlamaDecoder needs a rotary embedding fixed per position ({', '.join(_STATIC_ROPE)}); "
                              f"this model's is {rope!r}")
         attn = layers[0].self_attn
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        return embed, parts, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling
+        return embed, parts, qk, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling
 
     def _window(self) -> int | None:
         """The sliding window that applies to some layer, or None."""
@@ -372,8 +371,7 @@ class LlamaDecoder:
         """forward(ids, position_ids, cache) -> the last position's logits, for _loop, over a
         cache of prompt + max_new_tokens positions; the arguments checked first."""
         _check(self.model, input_ids, max_new_tokens)
-        embed, parts, norm, rotary, head, heads, kv_heads, head_dim, scaling = self._parts()
-        qk_norms = self._qk_norms
+        embed, parts, qk_norms, norm, rotary, head, heads, kv_heads, head_dim, scaling = self._parts()
         total = input_ids.shape[1] + max_new_tokens
         window = self._window()
         if window is not None and total > window:
@@ -383,7 +381,7 @@ class LlamaDecoder:
         if limit is not None and total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed max_position_embeddings={limit}")
         dtype, device = self._stream(embed)
-        native_layers, reason = self._native_layers(parts, dtype, device, norm, (heads, kv_heads, head_dim))
+        native_layers, reason = self._native_layers(parts, qk_norms, dtype, device, norm, (heads, kv_heads, head_dim))
         if self.path == "native" and native_layers is None:
             raise ValueError(f"path='native' cannot run this model: {reason}")
         with torch.inference_mode():
@@ -455,8 +453,8 @@ class LlamaDecoder:
 
     def native_reason(self) -> str | None:
         """Why the native decode step cannot run this model now, or None where it can."""
-        embed, parts, norm, _, _, heads, kv_heads, head_dim, _ = self._parts()
-        return self._native_layers(parts, *self._stream(embed), norm, (heads, kv_heads, head_dim))[1]
+        embed, parts, qk_norms, norm, _, _, heads, kv_heads, head_dim, _ = self._parts()
+        return self._native_layers(parts, qk_norms, *self._stream(embed), norm, (heads, kv_heads, head_dim))[1]
 
     @staticmethod
     def _stream(embed):
@@ -466,7 +464,7 @@ class LlamaDecoder:
             probe = embed(torch.zeros(1, 1, dtype=torch.long, device=_device_of(embed)))
         return probe.dtype, probe.device
 
-    def _native_layers(self, parts, dtype, device, final_norm, attention):
+    def _native_layers(self, parts, qk_norms, dtype, device, final_norm, attention):
         """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
         if self.path == "torch":
             return None, "path='torch'"
@@ -498,7 +496,7 @@ class LlamaDecoder:
                     return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
                 spec[key] = n.weight.detach().to(torch.float32)  # exact: what the product promotes it to
             spec["eps1"], spec["eps2"] = norm1.variance_epsilon, norm2.variance_epsilon
-            pair = self._qk_norms[i]
+            pair = qk_norms[i]
             if pair is not None:
                 for key, eps, n in (("q_norm", "eps_q", pair[0]), ("k_norm", "eps_k", pair[1])):
                     if not n.weight.is_floating_point() or n.weight.dtype == torch.float64:
