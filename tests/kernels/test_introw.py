@@ -138,3 +138,11 @@ def test_bad_arguments_are_refused(lib):
         native.TwoLevel(qt.codes, 6, False, qt.scales, 0)
     empty = native.IntRowWeight(qt.codes[:0], 5, True, 0, 64, 32, qt.scales[:0])
     assert empty.matmul(lib, torch.ones(2, 64)).shape == (2, 0) and empty.decode(lib, 0, 0).shape == (0, 64)
+
+
+def test_each_build_says_whether_it_unpacks_16_codes_a_step(lib, request):
+    """The AVX-512 VBMI loop where the build's target has it (the native build on a CPU with
+    AVX512-VBMI, BW and VL: Zen 4, Ice Lake and later Xeons), the scalar loop elsewhere."""
+    build = request.node.callspec.params["lib"]
+    vbmi = {"avx512f", "avx512bw", "avx512vl", "avx512vbmi"} <= native.cpu_flags()
+    assert native.introw_vector(lib) == (build == "native" and vbmi)
