@@ -97,6 +97,21 @@ def test_gptq_with_a_calibration_file(tiny, tmp_path):
     assert rc == 2 and "too short" in err and not (tmp_path / "q2").exists()
 
 
+def test_imatrix_says_how_much_calibration_it_read(tiny, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    rc, _, err = run(["quantize", str(tiny), "--scheme", "q4_0", "--method", "imatrix", "--calibration", str(text),
+                      "--calibration-samples", "3", "--calibration-length", "64", "--out", str(tmp_path / "q")])
+    assert rc == 0, err
+    assert "imatrix calibration: 3 windows of 64 tokens (192 tokens) of " + str(text) in err, err
+    assert fb.from_pretrained(tmp_path / "q") is not None
+    # asked for more than the text holds: said, not silently cut
+    rc, _, err = run(["quantize", str(tiny), "--scheme", "q4_0", "--method", "imatrix", "--calibration", str(text),
+                      "--calibration-samples", "1000", "--calibration-length", "64", "--out", str(tmp_path / "q2")])
+    assert rc == 0, err
+    assert "the text holds no more (asked for 1000)" in err, err
+
+
 @pytest.mark.parametrize("argv,code,message", [
     (["--scheme", "nf4", "--format", "gguf"], 2, "nf4 has no GGUF type"),
     (["--scheme", "q4_k_m"], 2, "write it with --format gguf"),

@@ -171,7 +171,11 @@ def test_a_calibration_file_is_checked_before_the_model_is_read(src, tmp_path, m
     (tmp_path / "c.txt").write_text("text")
     rc, _, err = run(["quantize", str(src), "--scheme", "int4", "--calibration", str(tmp_path / "c.txt"), "--out",
                       out, "--quiet"])
-    assert rc == 2 and "goes with --method gptq" in err, err  # before: ignored without a word
+    assert rc == 2 and "--method imatrix or gptq calibrates on: rtn takes none" in err, err  # before: ignored
+    for flag, value in (("--calibration-samples", "0"), ("--calibration-length", "-3")):
+        rc, _, err = run(["quantize", str(src), "--scheme", "int4", "--method", "imatrix", flag, value, "--out", out,
+                          "--quiet"])
+        assert rc == 2 and f"{flag} must be a positive number" in err, err
     assert os.listdir(tmp_path) == ["c.txt"]
 
 

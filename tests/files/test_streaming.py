@@ -65,9 +65,10 @@ def _in_memory(src, out, scheme, method, calibration=None, **kw):
     save_pretrained(model, out)
 
 
-@pytest.mark.parametrize("method,scheme", [("rtn", "int4"), ("rtn", "q4_0"), ("gptq", "int4"), ("gptq", "int8")])
+@pytest.mark.parametrize("method,scheme", [("rtn", "int4"), ("rtn", "q4_0"), ("gptq", "int4"), ("gptq", "int8"),
+                                           ("imatrix", "q4_0"), ("imatrix", "int4_g32")])
 def test_streamed_equals_in_memory_bit_for_bit(llama, tmp_path, method, scheme):
-    calibration = _calibration() if method == "gptq" else None
+    calibration = _calibration() if method != "rtn" else None
     summary = quantize_pretrained(llama, tmp_path / "streamed", scheme, method=method, calibration=calibration,
                                   dtype=torch.float32, max_shard_bytes=1 << 16)
     _in_memory(llama, tmp_path / "memory", scheme, method, calibration)
@@ -76,11 +77,12 @@ def test_streamed_equals_in_memory_bit_for_bit(llama, tmp_path, method, scheme):
     assert (tmp_path / "streamed" / "model.safetensors.index.json").is_file()  # several output shards
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "imatrix"])
 def test_streamed_k_quants_and_an_untied_head_after_the_blocks(llama_untied, tmp_path, method):
-    """lm_head of an untied model lies after the blocks: streamed GPTQ measures its Hessian from
-    the blocks' recorded outputs, as the in-memory pass does from running them."""
-    calibration = _calibration() if method == "gptq" else None
+    """lm_head of an untied model lies after the blocks: streamed GPTQ measures its Hessian (and
+    imatrix its importance) from the blocks' recorded outputs, as the in-memory pass does from
+    running them."""
+    calibration = _calibration() if method != "rtn" else None
     rules = {"*mlp*": "q4_k", "*": "q6_k"}
     quantize_pretrained(llama_untied, tmp_path / "streamed", rules, method=method, calibration=calibration,
                         dtype=torch.float32)

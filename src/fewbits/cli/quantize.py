@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
                    "--format gguf also a llama.cpp mix: q4_k_m, q4_k_s, q5_k_m")
     p.add_argument("--compare", metavar="A,B,C", nargs="?", const=_QUANT_DEFAULT_COMPARE,
                    help=f"several presets: a comparison table and plot (alone: {_QUANT_DEFAULT_COMPARE})")
-    p.add_argument("--method", choices=("rtn", "gptq"), default="rtn", help="rounding method (default rtn)")
+    p.add_argument("--method", choices=("rtn", "imatrix", "gptq"), default="rtn",
+                   help="rtn: round to nearest (default); imatrix: round to nearest under scales searched on the "
+                   "error weighted by each input's importance on calibration text (as llama.cpp's importance "
+                   "matrix); gptq: Hessian-aware rounding on calibration text")
     p.add_argument("--budget", type=float, metavar="BITS",
                    help="choose a scheme per layer to fit this many bits per parameter")
     p.add_argument("--out", metavar="OUT", help="with --scheme or --budget: write the quantized model there "
@@ -38,8 +41,12 @@ def add_parser(sub) -> None:
                    help="the written model: hf (a Hugging Face directory), gguf (for llama.cpp), compressed-tensors "
                    "(a directory vLLM, SGLang and transformers load) or fewbits (one safetensors file); default "
                    "from OUT: *.gguf, *.safetensors, else hf")
-    p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method gptq "
-                   "(default: Python's pydoc topics)")
+    p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method imatrix "
+                   "or gptq (default: Python's pydoc topics)")
+    p.add_argument("--calibration-samples", type=int, metavar="N",
+                   help=f"how many windows of the calibration text (default {sq_defaults()[0]})")
+    p.add_argument("--calibration-length", type=int, metavar="TOKENS",
+                   help=f"tokens per calibration window (default {sq_defaults()[1]})")
     p.add_argument("--embeddings", action="store_true", help="with --out (hf, fewbits): quantize the token "
                    "embedding too (default: it stays in float); on a tied model add --tied untie")
     p.add_argument("--tied", choices=("keep", "untie"), help="with --out (hf, fewbits): keep (default) leaves a "
@@ -64,8 +71,8 @@ def run(args, out) -> int:
         raise ValueError("--scheme writes or measures one scheme, --compare measures several: give one of them")
     if args.out and args.compare is None and (args.scheme or args.budget is not None):
         return _quant_convert(args, out, Lines("fewbits", enabled=not args.quiet))
-    if args.format or args.overwrite or args.calibration:
-        raise ValueError("--format, --overwrite and --calibration go with a conversion: "
+    if args.format or args.overwrite or args.calibration or args.calibration_samples or args.calibration_length:
+        raise ValueError("--format, --overwrite and --calibration* go with a conversion: "
                          "--scheme S (or --budget BITS) --out OUT")
     schemes = [s.strip() for s in (args.compare or args.scheme or "").split(",") if s.strip()]
     if not schemes and args.budget is None:
@@ -159,6 +166,12 @@ def _quant_source(model: str, tmp: str) -> str:
     raise ValueError(f"unknown model {model!r}: use minilm, smollm2, a Hugging Face model directory or a GGUF file")
 
 
+def sq_defaults() -> tuple[int, int]:
+    """The default calibration (windows, tokens per window)."""
+    from ..study.quantization import CALIBRATION_LENGTH, CALIBRATION_SAMPLES
+    return CALIBRATION_SAMPLES, CALIBRATION_LENGTH
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
@@ -176,9 +189,15 @@ def _quant_convert(args, out, say) -> int:
     scheme = sq.conversion_scheme(args.scheme, fmt) if args.scheme else None
     if args.budget is not None and not 1 <= args.budget <= 32:
         raise ValueError(f"--budget is in bits per parameter (1..32), got {args.budget}")
+    calibrating = (args.calibration, args.calibration_samples, args.calibration_length)
+    if any(c is not None for c in calibrating) and args.method == "rtn":
+        raise ValueError("--calibration, --calibration-samples and --calibration-length choose the text --method "
+                         "imatrix or gptq calibrates on: rtn takes none")
+    for flag, value in (("--calibration-samples", args.calibration_samples),
+                        ("--calibration-length", args.calibration_length)):
+        if value is not None and not 1 <= value <= 1_000_000:
+            raise ValueError(f"{flag} must be a positive number, got {value}")
     if args.calibration is not None:
-        if args.method != "gptq":
-            raise ValueError("--calibration is the text GPTQ calibrates on: it goes with --method gptq")
         if not os.path.isfile(args.calibration):
             raise ValueError(f"--calibration {args.calibration}: file not found")
     if fmt == "gguf" and (args.tied is not None or args.embeddings):
@@ -202,9 +221,18 @@ def _quant_convert(args, out, say) -> int:
         plan = sq.conversion_plan(source, scheme, fmt, budget=args.budget, progress=say,
                                   embeddings=args.embeddings, tied=args.tied)
         calibration = None
-        if args.method == "gptq":
-            calibration = sq.calibration_for_directory(source, args.calibration)
-            say(f"GPTQ calibration: {len(calibration)} batches")
+        if args.method != "rtn":
+            samples, length = sq_defaults()
+            samples = args.calibration_samples or samples
+            length = args.calibration_length or length
+            calibration = sq.calibration_for_directory(source, args.calibration, samples, length)
+            where = args.calibration or "Python's pydoc topics"
+            if "input_ids" in calibration[0] and "attention_mask" not in calibration[0]:
+                got = sum(int(b["input_ids"].numel()) for b in calibration)
+                say(f"{args.method} calibration: {len(calibration)} windows of {length} tokens ({got} tokens) of {where}"
+                    + (f"; the text holds no more (asked for {samples})" if len(calibration) < samples else ""))
+            else:
+                say(f"{args.method} calibration: {len(calibration)} batches of sentences of {where}")
         say(f"quantizing into {args.out} ({fmt}) ...")
         summary = convert(source, args.out, plan["rules"], format=fmt, method=args.method, calibration=calibration,
                           embeddings=plan["embeddings"], tied=plan["tied"], overwrite=args.overwrite,

@@ -8,6 +8,12 @@ written as they fill (fewbits.files.hf_dir.ShardWriter):
 - "rtn": each tensor is read, quantized if the plan says so, and handed to the writer; nothing
   else is held. Peak memory: the largest tensor in float32 and its quantized form, plus one
   output shard.
+- "imatrix": first the importance of every planned linear layer's input columns is gathered
+  (fewbits.quant.importance) from the float model, streamed as GPTQ streams it below (the
+  non-block tensors loaded, the first block's calibration inputs captured, then each block loaded,
+  run on them with importance hooks and unloaded again); then every tensor is read and quantized
+  as "rtn" does, under its layer's importance. The result equals quantize_model(method="imatrix")
+  in memory. Peak memory: GPTQ's without its Hessians.
 - "gptq": the tensors outside the repeated blocks (embeddings, final norm, an untied head) are
   loaded in the working dtype; the calibration inputs of the first block are captured; then
   each block is loaded, its layers quantized group by group with the GPTQ of
@@ -40,14 +46,15 @@ from ..progress import counter
 from ..quant.gptq import (
     _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block, capture_block_inputs,
 )
-from ..quant.plan import calibration_batches, resolve_plan
-from ..quant.tensor import QuantizedTensor, quantize
+from ..quant.importance import DAMP, ImportanceHooks
+from ..quant.plan import calibration_batches, model_device, resolve_plan, run_batch
+from ..quant.tensor import QuantizedTensor, quantize, takes_importance
 from .hf_dir import model_class
 from .safetensors_format import FileFormatError
 
 __all__ = ["ConversionSummary", "model_skeleton", "quantize_pretrained"]
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "imatrix", "gptq")
 STREAM_SHARD_BYTES = 1 << 29  # output shards of 512 MiB: the writer holds one while it fills
 
 
@@ -240,8 +247,9 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     directory with a fewbits quantization_config: fb.from_pretrained and transformers load it),
     reading and writing tensor by tensor (see the module docstring for the memory bound).
 
-    scheme_or_rules, skip, embeddings, tied: as fewbits.quantize_model. method: "rtn" or "gptq"
-    (calibration: model inputs as for quantize_model, e.g. dicts of input_ids). dtype: the dtype
+    scheme_or_rules, skip, embeddings, tied: as fewbits.quantize_model. method: "rtn", "imatrix"
+    (option damp) or "gptq" (the last two need calibration: model inputs as for quantize_model,
+    e.g. dicts of input_ids). dtype: the dtype
     of the float tensors written and of the quantized tensors' dequantized values (default: the
     source's own, config.dtype); GPTQ computes in float32 either way. tokenizer: a tokenizer or
     directory saved beside the model (default: the source's tokenizer files, if any).
@@ -256,6 +264,8 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "rtn" and gptq_options:
         raise TypeError(f"unexpected options for rtn: {', '.join(gptq_options)}")
+    if method == "imatrix" and set(gptq_options) - {"damp"}:
+        raise TypeError(f"unexpected options for imatrix: {', '.join(sorted(set(gptq_options) - {'damp'}))}")
     source = os.fspath(source)
     config = _read_config(source)
     tensors = read_tensors(source)
@@ -272,7 +282,7 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     if check_plan is not None:
         check_plan(plan, model)
     names = _parameters_to_load(model, tensors, plan)
-    batches = calibration_batches(calibration) if method == "gptq" else None
+    batches = calibration_batches(calibration) if method != "rtn" else None
     report = counter(progress, len(plan), method)
     writer = ShardWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     written = {"params": 0, "bytes": 0}
@@ -289,6 +299,9 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
     try:
         if method == "rtn":
             _stream_rtn(tensors, names, plan, out_dtype, emit, report)
+        elif method == "imatrix":
+            importance = _stream_importance(model, tensors, names, plan, batches, gptq_options.get("damp", DAMP))
+            _stream_rtn(tensors, names, plan, out_dtype, emit, report, importance)
         else:
             _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, gptq_options)
         writer.finish(_output_config(config, model, names, plan),
@@ -320,7 +333,10 @@ def tokenizer_files(source: str):
     return None
 
 
-def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
+def _stream_rtn(tensors, names, plan, out_dtype, emit, report, importance=None) -> None:
+    """Every tensor read, quantized if planned (under its layer's importance, where given) and
+    emitted, one at a time."""
+    importance = importance or {}
     done = 0
     for name, key in names.items():
         owner = _owner_of(name, plan)
@@ -329,7 +345,7 @@ def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
             emit(name, t.to(out_dtype) if t.is_floating_point() else t)
             continue
         with torch.no_grad():
-            qt = _quantize_named(t.to(torch.float32), plan[owner], key, tensors)
+            qt = _quantize_named(t.to(torch.float32), plan[owner], key, tensors, importance.get(owner))
         emit(name, _with_dtype(qt, out_dtype))
         del qt, t
         release_freed_memory()
@@ -337,11 +353,11 @@ def _stream_rtn(tensors, names, plan, out_dtype, emit, report) -> None:
         report(done, owner)
 
 
-def _quantize_named(t: torch.Tensor, scheme, key: str, tensors) -> QuantizedTensor:
-    """quantize(t, scheme); a weight it cannot quantize (NaN or inf in it, a shape the scheme
-    cannot hold) is a ValueError naming the tensor and its file."""
+def _quantize_named(t: torch.Tensor, scheme, key: str, tensors, importance=None) -> QuantizedTensor:
+    """quantize(t, scheme, importance=importance); a weight it cannot quantize (NaN or inf in it, a
+    shape the scheme cannot hold) is a ValueError naming the tensor and its file."""
     try:
-        return quantize(t, scheme)
+        return quantize(t, scheme, importance=importance)
     except ValueError as e:
         where = f" ({tensors.info(key)[2]})" if hasattr(tensors, "info") else ""
         raise ValueError(f"{key}{where}: {e}") from None
@@ -350,6 +366,68 @@ def _quantize_named(t: torch.Tensor, scheme, key: str, tensors) -> QuantizedTens
 def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
     """The same codes and scales, dequantizing to `dtype` by default."""
     return QuantizedTensor.from_state_dict(qt.scheme, qt.shape, dtype, qt.state_dict())
+
+
+def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dict[str, torch.Tensor]:
+    """{layer: importance} of every planned nn.Linear whose scheme takes it, from the float model
+    streamed block by block over the calibration batches (see the module docstring); layers after
+    the blocks (an untied head) from one pass of the model in which every block replays its
+    recorded output. Leaves the model's parameters on the meta device again."""
+    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)
+              and takes_importance(plan[n], model.get_submodule(n).weight.shape)]
+    if not linear:
+        return {}
+    found = _find_blocks(model, linear)
+    if found is None:
+        raise ValueError("streamed imatrix needs a model made of repeated blocks (an nn.ModuleList of "
+                         "decoder or encoder layers); quantize this one in memory with fewbits.quantize_model")
+    prefix, blocks = found
+    head = prefix + "."
+
+    def block_of(name):
+        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
+
+    in_block = [[] for _ in blocks]
+    outside = []
+    for name in names:
+        b = block_of(name)
+        (outside if b is None else in_block[b]).append(name)
+    post = [n for n in linear if block_of(n) is None]
+    lookups = {n for n in outside if _is_plain_embedding(model, n, plan, shared_ok=not post)}
+    _load(model, [n for n in outside if n not in lookups], tensors, torch.float32, plan)
+    _load(model, lookups, tensors, None, plan)
+    hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
+    collected = ImportanceHooks({n: model.get_submodule(n) for n in linear})
+    originals = list(blocks)
+    try:
+        cached = capture_block_inputs(model, blocks[0], batches)
+        as_tuple = False
+        with collected:
+            for i, block in enumerate(blocks):
+                _load(model, in_block[i], tensors, torch.float32, plan)
+                if i == len(blocks) - 1 and post:
+                    collected.active = False  # a probe of the block's output form, not a pass
+                    with torch.no_grad():
+                        as_tuple = not isinstance(block(cached[0][0], *cached[0][1], **cached[0][2]), torch.Tensor)
+                    collected.active = True
+                advance_block(block, cached)
+                _unload(model, in_block[i])
+                release_freed_memory()
+            if post:
+                outputs = [entry[0] for entry in cached]
+                batch = {"index": -1}
+                for j in range(len(blocks)):
+                    blocks[j] = _Replay(outputs, as_tuple, batch, first=(j == 0))
+                with torch.no_grad():
+                    for b in batches:
+                        run_batch(model, b, model_device(model))
+        return collected.importance(damp)
+    finally:
+        for j, block in enumerate(originals):
+            blocks[j] = block
+        for h in hooks:
+            h.remove()
+        _unload(model, outside)
 
 
 def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:

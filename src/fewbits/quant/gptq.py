@@ -48,7 +48,7 @@ from ..kernels import round as fb_round
 from . import scales as sc
 from ..progress import counter
 from .lowbit_ops import one_thread
-from .plan import calibration_batches, call_model
+from .plan import calibration_batches, call_model, model_device, run_batch
 from .scheme import QuantScheme, get_scheme
 from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, quantize_scaled, rounding_generator, to_groups
 
@@ -503,30 +503,13 @@ class _HessianHooks:
         return out
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
+_model_device = model_device
 
 
 def _run(model: nn.Module, batch, device) -> None:
-    """Call the model on one calibration batch: a tensor, a tuple/list of positional args, or a
-    dict of keyword args."""
-    if not isinstance(batch, (Mapping, tuple, list, torch.Tensor)):
-        raise TypeError(f"a calibration batch must be a tensor, a tuple/list of positional arguments or a "
-                        f"dict of keyword arguments, got {type(batch).__name__}")
+    """Call the model on one calibration batch (plan.run_batch), up to the hook that stops it."""
     try:
-        call_model(model, _to_device(batch, device))
+        run_batch(model, batch, device)
     except _StopForward:
         pass
 

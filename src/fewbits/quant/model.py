@@ -16,13 +16,28 @@ from torch import nn
 from ..progress import counter
 from .gptq import gptq_quantize_model
 from .plan import is_quantized, quantized_module, resolve_plan, set_submodule, tied_weights
-from .tensor import quantize
+from .importance import DAMP, collect_importance
+from .tensor import quantize, takes_importance
 
 
 def _round_to_nearest(model, plan, calibration, progress, **options):
     if options:
         raise TypeError(f"unexpected options for rtn: {', '.join(options)}")
     return lambda name, module: quantize(module.weight.detach(), plan[name])
+
+
+def _imatrix(model, plan, calibration, progress, damp: float = DAMP, **options):
+    if options:
+        raise TypeError(f"unexpected options for imatrix: {', '.join(options)}")
+    if calibration is None:
+        raise ValueError("method='imatrix' needs calibration data (an iterable of model inputs)")
+    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)
+              and takes_importance(plan[n], model.get_submodule(n).weight.shape)]
+    importance = collect_importance(model, linear, calibration, damp) if linear else {}
+
+    def weight(name, module):
+        return quantize(module.weight.detach(), plan[name], importance=importance.get(name))
+    return weight
 
 
 def _gptq(model, plan, calibration, progress, **options):
@@ -34,7 +49,7 @@ def _gptq(model, plan, calibration, progress, **options):
 
 # method -> (model, plan, calibration, progress, **options) -> weight(name, module): the
 # QuantizedTensor that replaces the module's weight
-METHODS = {"rtn": _round_to_nearest, "gptq": _gptq}
+METHODS = {"rtn": _round_to_nearest, "imatrix": _imatrix, "gptq": _gptq}
 
 
 def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rtn",
@@ -44,8 +59,12 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
 
     scheme_or_rules: a QuantScheme or preset name for every layer, or {pattern: scheme or None}.
     skip: name patterns kept in float (e.g. "lm_head", "*.classifier").
-    method: "rtn" (round to nearest, or the scheme's mode) or "gptq" (needs `calibration`: an
-        iterable of model inputs — tensors, tuples of positional args or dicts of keyword args).
+    method: "rtn" (round to nearest, or the scheme's mode), "imatrix" (round to nearest under
+        scales searched on the error weighted by each input column's mean square on the
+        calibration, as llama.cpp's importance matrix: fewbits.quant.importance; layers whose scales
+        are fixed by their recipe, MX, NVFP4 and plain casts, and embeddings are rounded to nearest;
+        option damp) or "gptq" (both need `calibration`: an iterable of model inputs — tensors,
+        tuples of positional args or dicts of keyword args).
     progress: True for a progress bar on stderr, or a callable(done, total, name).
     tied: "keep" (default): a layer whose weight another module shares (a tied lm_head) stays in
         float, so the tie and the parameter count survive; "untie": quantize it anyway.

@@ -149,3 +149,30 @@ def call_model(model: nn.Module, batch):
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(obj, device):
+    """A model input (a tensor, or tensors in dicts, tuples and lists) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def run_batch(model: nn.Module, batch, device):
+    """Call the model on one calibration batch (a tensor, a tuple/list of positional args, or a
+    dict of keyword args), moved to `device`."""
+    if not isinstance(batch, (Mapping, tuple, list, torch.Tensor)):
+        raise TypeError(f"a calibration batch must be a tensor, a tuple/list of positional arguments or a "
+                        f"dict of keyword arguments, got {type(batch).__name__}")
+    return call_model(model, to_device(batch, device))

@@ -113,14 +113,25 @@ class Scaling:
         return y
 
 
-def choose(g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale: torch.Tensor | None = None) -> Scaling:
+def choose(g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale: torch.Tensor | None = None,
+           weights: torch.Tensor | None = None) -> Scaling:
     """The scales of the group view g [rows, groups, n] (valid: its mask of real entries, or None)
     by the scheme's rule: its scale kind's choose(). Not for plain casts (scale_format "none").
 
     tensor_scale: NVFP4's tensor scale, held fixed (GPTQ chooses each group's block scales under
     the whole tensor's); by default it comes from g.
+    weights: None, or the weight of every value's error (float64 of g's shape, 0 on padding; see
+    kquant_search.importance_weights): importance-weighted rounding, each kind's scales searched
+    on the weighted squared error (the kinds whose `weighted` is true).
     """
-    return kind_of(scheme).choose(g, valid, scheme, tensor_scale)
+    kind = kind_of(scheme)
+    if weights is None:
+        return kind.choose(g, valid, scheme, tensor_scale)
+    if not kind.weighted:
+        raise ValueError(f"{scheme.label}: {kind.name} scales are fixed by their recipe; importance-weighted "
+                         "rounding searches the scales of the integer block formats (symmetric, zero-point, "
+                         "float-minimum and super-block scales)")
+    return kind.choose(g, valid, scheme, tensor_scale, weights=weights)
 
 
 def kind_of(scheme: QuantScheme) -> ScaleKind:
@@ -138,18 +149,21 @@ def kind_of(scheme: QuantScheme) -> ScaleKind:
 
 
 def scale_groups(g: torch.Tensor, valid, scheme: QuantScheme, shape, scales=None, zero_points=None,
-                 scaling: Scaling | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 scaling: Scaling | None = None, weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """quantize()'s one pass over the scales of the group view g of a tensor of `shape`: the
-    scheme's kind chooses them (or takes the given scales and zero points, or a whole `scaling`),
-    the elements are scaled by them, and the kind stores them. Returns (the elements to round
-    [rows, groups, n], the stored scale tensors by their STATE_KEYS)."""
+    scheme's kind chooses them (under `weights`, as choose()) or takes the given scales and zero
+    points, or a whole `scaling`; the elements are scaled by them, and the kind stores them.
+    Returns (the elements to round [rows, groups, n], the stored scale tensors by their STATE_KEYS)."""
     kind = kind_of(scheme)
+    if weights is not None and (scaling is not None or scales is not None):
+        raise ValueError("importance weights choose the scales: they do not go with given scales")
     if scaling is None and scales is not None:
         scaling = kind.given(scheme, shape, scales, zero_points)
     elif scaling is None:
         if zero_points is not None:
             raise ValueError(_LONE_ZERO_POINTS)
-        scaling = kind.choose(g, valid, scheme)
+        scaling = choose(g, valid, scheme, weights=weights)
     return scaling.scaled(g), kind.store(scaling, scheme)
 
 
@@ -178,8 +192,9 @@ class ScaleKind:
     with no zero point; its subclasses add theirs."""
 
     name = ""
+    weighted = True  # whether choose() takes importance weights
 
-    def choose(self, g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale=None) -> Scaling:
+    def choose(self, g: torch.Tensor, valid, scheme: QuantScheme, tensor_scale=None, weights=None) -> Scaling:
         raise NotImplementedError
 
     def given(self, scheme: QuantScheme, shape, scales, zero_points) -> Scaling:
@@ -228,11 +243,18 @@ class SymmetricScales(ScaleKind):
     squared error (each candidate quantized and dequantized with quantize()'s arithmetic); each
     rounded to the scale format. "gguf": llama.cpp's Q8_0 (d = amax / 127) or Q4_0 / Q5_0 (d = the
     value of largest magnitude, with its sign, / the lowest code), the elements then rounded by
-    the recipe (gguf_elements) under 1 / the unrounded d."""
+    the recipe (gguf_elements) under 1 / the unrounded d.
+    Under importance weights: GGUF's blocks (scale_method "gguf") search their signed scale as
+    make_qx_quants does (kquant_search.group_params: the value of largest magnitude may take the
+    lowest code), the other schemes their clipping ratio, each on the weighted squared error;
+    the elements are then rounded to nearest under 1 / the scale rounded to its format."""
 
     name = "symmetric"
 
-    def choose(self, g, valid, scheme, tensor_scale=None):
+    def choose(self, g, valid, scheme, tensor_scale=None, weights=None):
+        if weights is not None and scheme.scale_method == "gguf":
+            scale = round_scales(group_params(g, valid, scheme, weights)[0].to(torch.float32), scheme.scale_format)
+            return Scaling(scale, reciprocal(scale))
         if scheme.scale_method == "gguf":
             return self._gguf(g, scheme)
         if scheme.scale_method == "percentile":
@@ -240,7 +262,7 @@ class SymmetricScales(ScaleKind):
         else:
             amax = group_amax(g)
         base = divide(amax, element_max(scheme))
-        if scheme.scale_method != "mse":
+        if scheme.scale_method != "mse" and weights is None:
             scale = round_scales(base, scheme.scale_format)
             return Scaling(scale, reciprocal(scale))
 
@@ -248,7 +270,7 @@ class SymmetricScales(ScaleKind):
             return round_elements(times_reciprocal(gg, scale), scheme.format) * scale.unsqueeze(-1)
 
         scale = _mse_search(g, valid, scheme, lambda r: round_scales(base * r, scheme.scale_format),
-                            quantize_dequantize)
+                            quantize_dequantize, weights)
         return Scaling(scale, reciprocal(scale))
 
     @staticmethod
@@ -271,12 +293,13 @@ class ZeroPointScales(ScaleKind):
     """Asymmetric scales with an integer zero point on the unsigned grid 0..2^b-1: the range always
     contains 0, so zero is exact: lo = min(min, 0), hi = max(max, 0) ("percentile": each clipped to
     that percentile); scale = (hi - lo) / (2^b - 1) rounded to the scale format, zero_point =
-    round(-lo / scale); "mse": the clipping ratio of least squared error, as SymmetricScales. The
-    zero points are stored packed at the element width."""
+    round(-lo / scale); "mse" (and under importance weights): the clipping ratio of least
+    (weighted) squared error, as SymmetricScales. The zero points are stored packed at the
+    element width."""
 
     name = "zero_point"
 
-    def choose(self, g, valid, scheme, tensor_scale=None):
+    def choose(self, g, valid, scheme, tensor_scale=None, weights=None):
         qmax = float(2 ** scheme.format.bits - 1)
         big = torch.tensor(float("inf"))
         lo_src = torch.where(valid, g, big) if valid is not None else g
@@ -293,7 +316,7 @@ class ZeroPointScales(ScaleKind):
             zp = torch.round(-lo * r * reciprocal(scale)).clamp(0, qmax)
             return scale, zp
 
-        if scheme.scale_method != "mse":
+        if scheme.scale_method != "mse" and weights is None:
             scale, zero_point = params(1.0)
         else:
             def quantize_dequantize(gg, scale_zero):
@@ -301,7 +324,7 @@ class ZeroPointScales(ScaleKind):
                 q = round_elements(times_reciprocal(gg, scale) + zero.unsqueeze(-1), scheme.format)
                 return (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
 
-            scale, zero_point = _mse_search(g, valid, scheme, params, quantize_dequantize)
+            scale, zero_point = _mse_search(g, valid, scheme, params, quantize_dequantize, weights)
         return Scaling(scale, reciprocal(scale), zero_point=zero_point.to(torch.int64))
 
     def given(self, scheme, shape, scales, zero_points):
@@ -327,12 +350,20 @@ class FloatMinimumScales(ScaleKind):
     (max - min) / (2^b - 1) computed in float32 from the unrounded minimum as llama.cpp does, both
     stored rounded to the scale format. "absmax": the elements are round((x - minimum) * (1 /
     scale)); "gguf" (Q4_1 / Q5_1): the recipe's trunc((x - min) * (1 / d) + 0.5) with the
-    unrounded d and minimum (gguf_elements)."""
+    unrounded d and minimum (gguf_elements).
+    Under importance weights: the scale and minimum (min(minimum, 0)) of least weighted squared
+    error, as make_qkx2_quants searches them (kquant_search.group_params), each rounded to the
+    scale format; the elements then round((x - minimum) * (1 / scale))."""
 
     name = "float_minimum"
 
-    def choose(self, g, valid, scheme, tensor_scale=None):
+    def choose(self, g, valid, scheme, tensor_scale=None, weights=None):
         levels = 2 ** scheme.format.bits
+        if weights is not None and g.shape[-1]:
+            scale, neg_min = group_params(g, valid, scheme, weights)
+            scale = round_scales(scale.to(torch.float32), scheme.scale_format)
+            return Scaling(scale, reciprocal(scale), minimum=round_scales((-neg_min).to(torch.float32),
+                                                                          scheme.scale_format))
         gguf = scheme.scale_method == "gguf"
         if not g.shape[-1]:
             zero = g.new_zeros(g.shape[:-1])
@@ -391,20 +422,21 @@ class SuperBlockScales(ScaleKind):
     by 1 / scale rather than divided and rounded half to even (as every fewbits scheme), the search
     works in float64 and sums each group in group_sum's order (llama.cpp: float32, sequentially),
     and a group whose scale code is 0 keeps codes that dequantize to its minimum (llama.cpp leaves
-    the search's codes there: they dequantize to the same value)."""
+    the search's codes there: they dequantize to the same value).
+    Under importance weights both searches weigh each value's error by its weight instead."""
 
     name = "super_block"
 
-    def choose(self, g, valid, scheme, tensor_scale=None):
+    def choose(self, g, valid, scheme, tensor_scale=None, weights=None):
         sub = scheme.sub_scale_format_of
         groups = g.shape[1]
-        scale, neg_min = group_params(g, valid, scheme)
+        scale, neg_min = group_params(g, valid, scheme, weights)
         d, codes = _super_scales(scale, scheme, sub)
         dmin = mcodes = None
         if scheme.zero_point == "float":
             dmin, mcodes = _super_scales(neg_min, scheme, sub)
-        if scheme.scale_method == "mse":
-            codes, mcodes = refine_codes(g, valid, scheme, sub, scale, neg_min, d, dmin)
+        if scheme.scale_method == "mse" or weights is not None:
+            codes, mcodes = refine_codes(g, valid, scheme, sub, scale, neg_min, d, dmin, weights)
         eff = expand_super(d, scheme, groups) * codes.to(torch.float32)
         if scheme.zero_point != "float":
             return Scaling(eff, reciprocal(eff), sub_codes=codes, super_scale=d)
@@ -465,6 +497,7 @@ class MXScales(ScaleKind):
     multiplied by 1 / 2^e (exact). Stored: the E8M0 codes (uint8); they cannot be given."""
 
     name = "mx"
+    weighted = False
 
     def choose(self, g, valid, scheme, tensor_scale=None):
         codes = self.codes(group_amax(g), scheme)
@@ -511,6 +544,7 @@ class NVFP4Scales(ScaleKind):
     by (1 / tensor_scale) / block. Stored: the E4M3 codes (uint8) and the tensor scale."""
 
     name = "nvfp4"
+    weighted = False
     given = MXScales.given
 
     def choose(self, g, valid, scheme, tensor_scale=None):
@@ -607,13 +641,17 @@ def round_elements(y: torch.Tensor, fmt, mode: str = "nearest_even", generator=N
     return fb_round(y, fmt, mode=mode, overflow="saturate", generator=generator)
 
 
-def _mse_search(g, valid, scheme, candidate, quantize_dequantize):
+def _mse_search(g, valid, scheme, candidate, quantize_dequantize, weights=None):
     """Per group, the clipping ratio r in [0.5, 1] (21 steps) whose quantization has the least
-    squared error. candidate(r) -> scale (or (scale, zero_point))."""
+    squared error (weighted by `weights`, float64 of g's shape, where given).
+    candidate(r) -> scale (or (scale, zero_point))."""
     best_err = best = None
+    w = weights.to(torch.float32) if weights is not None else None
     for r in _MSE_RATIOS:
         c = candidate(r)
         err = (quantize_dequantize(g, c) - g).square()
+        if w is not None:
+            err = err * w
         if valid is not None:
             err = torch.where(valid, err, 0.0)
         err = err.sum(-1)

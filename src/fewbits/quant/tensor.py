@@ -27,6 +27,7 @@ import torch
 from ..formats import FLOAT_DTYPES, IntFormat, LookupFormat
 from ..kernels import decode, encode, pack, unpack
 from . import scales as sc
+from .kquant_search import importance_weights
 from .scheme import QuantScheme, get_scheme
 
 _SCALE_DTYPES = sc.SCALE_DTYPES  # scales as stored (the float formats' dtypes; E8M0 / E4M3 codes: uint8)
@@ -339,13 +340,18 @@ def codes_outside_format(qt: QuantizedTensor) -> str | None:
 # quantize: scheme -> scale kind -> scales -> codes
 # ---------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
-             zero_points: torch.Tensor | None = None) -> QuantizedTensor:
+             zero_points: torch.Tensor | None = None, importance: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize a float tensor to a QuantizedTensor under `scheme` (a QuantScheme or preset name).
 
     scales / zero_points: use these float32 scales (and integer zero points; for
     zero_point="float" schemes, float minimums) of shape scheme.scales_shape(x.shape) instead
     of choosing them (as GPTQ does, group by group); scales and minimums are rounded to the
     scheme's scale format. Not for MX/NVFP4, whose scales are fixed by their recipes.
+    importance: importance-weighted rounding: a non-negative float tensor [x.shape[-1]], how much
+    an error in each input column costs (a linear layer's mean square input on calibration data,
+    fewbits.quant.importance); each group's scales are then searched on the error weighted by
+    it (scales.choose, kquant_search.importance_weights). For the integer block formats (not
+    MX/NVFP4 or plain casts), with granularity "group", or "channel" along axis 0 of a matrix.
     """
     scheme = get_scheme(scheme)
     if not isinstance(x, torch.Tensor):
@@ -353,6 +359,8 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize() takes a float tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     x = x.detach()
+    if importance is not None and not takes_importance(scheme, x.shape):
+        importance_view(importance, scheme, x.shape)  # the error that says why
     gen = rounding_generator(scheme, x.device)
     if scheme.scale_format == "none":  # a plain cast: the codes are the values' own bit patterns
         fmt = scheme.format
@@ -361,8 +369,48 @@ def quantize(x: torch.Tensor, scheme, scales: torch.Tensor | None = None,
         return QuantizedTensor(scheme, x.shape, x.dtype, stored)
     _check_finite(x)
     g, valid = to_groups(x, scheme)
-    y, stored = sc.scale_groups(g, valid, scheme, x.shape, scales, zero_points)
+    weights = None
+    if importance is not None:
+        weights = importance_weights(g, valid, importance_view(importance, scheme, x.shape))
+    y, stored = sc.scale_groups(g, valid, scheme, x.shape, scales, zero_points, weights=weights)
     return _encoded(x, scheme, y, stored, gen)
+
+
+def takes_importance(scheme, shape) -> bool:
+    """Whether quantize(x, scheme, importance=...) weighs a tensor of `shape` (see quantize)."""
+    scheme = get_scheme(scheme)
+    if scheme.scale_format == "none" or not sc.kind_of(scheme).weighted:
+        return False
+    return scheme.granularity == "group" or (
+        scheme.granularity == "channel" and len(tuple(shape)) == 2 and scheme._axis(2) == 0)
+
+
+def importance_view(importance: torch.Tensor, scheme: QuantScheme, shape) -> torch.Tensor:
+    """The importance of x's columns (a tensor [shape[-1]]) as the group view of a tensor of
+    `shape` lays them out: float64 [1, groups, group_size], padding 0. Checked: finite and
+    non-negative, not all zero, one per column; granularity "group", or "channel" along axis 0
+    of a matrix (where the view's columns are x's last dimension)."""
+    if not isinstance(importance, torch.Tensor):
+        raise TypeError(f"importance must be a torch.Tensor, got {type(importance).__name__}")
+    shape = tuple(shape)
+    if scheme.scale_format == "none" or not sc.kind_of(scheme).weighted:
+        raise ValueError(f"{scheme.label}: its scales are fixed by its recipe (or it has none); importance-"
+                         "weighted rounding searches the scales of the integer block formats")
+    if not takes_importance(scheme, shape):
+        raise ValueError(f"{scheme.label}: importance weights the input columns of a matrix; they go with "
+                         "granularity 'group', or 'channel' along axis 0 of a 2-d tensor, not "
+                         f"{scheme.granularity!r} on a {len(shape)}-d tensor")
+    if importance.dim() != 1 or importance.numel() != shape[-1]:
+        raise ValueError(f"importance must hold one value per input column: shape ({shape[-1]},), "
+                         f"got {tuple(importance.shape)}")
+    imp = importance.detach().to(device="cpu", dtype=torch.float64)
+    if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
+        raise ValueError("importance must be finite and non-negative")
+    if imp.numel() and not bool((imp > 0).any()):
+        raise ValueError("importance is zero in every column: there is nothing to weigh the error by")
+    rows, cols, pcols, groups = scheme.layout(shape)
+    imp = torch.nn.functional.pad(imp, (0, pcols - cols))
+    return imp.reshape(1, groups, pcols // groups if groups else 0)
 
 
 def quantize_scaled(x: torch.Tensor, scheme, scaling: sc.Scaling) -> QuantizedTensor:

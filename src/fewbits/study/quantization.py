@@ -111,10 +111,16 @@ def _lm_subject(name, model, tokenizer, eval_tokens: int, calib_batches: int, se
                    loss_fn=loss_fn)
 
 
-def causal_calibration(tokenizer, text: str, batches: int = 8, seq_len: int = 256) -> list[dict]:
-    """GPTQ calibration batches for a causal LM: consecutive windows of `seq_len` tokens of
-    `text` (its first 200,000 characters), without a KV cache."""
-    ids = tokenizer(text[:200_000], return_tensors="pt")["input_ids"][0]
+CALIBRATION_SAMPLES = 8  # windows (causal LMs) or batches of 16 sentences (encoders)
+CALIBRATION_LENGTH = 256  # tokens per window
+
+
+def causal_calibration(tokenizer, text: str, batches: int = CALIBRATION_SAMPLES,
+                       seq_len: int = CALIBRATION_LENGTH) -> list[dict]:
+    """Calibration batches for a causal LM: the first `batches` consecutive windows of `seq_len`
+    tokens of `text` (fewer where the text is shorter), without a KV cache."""
+    # English takes ~4 characters a token: 8 a token leaves room for any tokenizer
+    ids = tokenizer(text[:max(200_000, 8 * batches * seq_len)], return_tensors="pt")["input_ids"][0]
     return [{"input_ids": ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0), "use_cache": False}
             for i in range(batches) if (i + 1) * seq_len <= ids.numel()]
 
@@ -126,10 +132,14 @@ def sentence_calibration(tokenizer, sentences, batch_size: int = 16) -> list[dic
             for i in range(0, len(sentences), batch_size)]
 
 
-def calibration_for_directory(source, text_file=None, batches: int = 8) -> list[dict]:
-    """Calibration batches for the HF model directory `source`, from its own tokenizer: windows
-    of 256 tokens for a causal LM, batches of 16 sentences (lines) otherwise; the text is the
-    file `text_file` or, by default, the training split of Python's pydoc topics."""
+def calibration_for_directory(source, text_file=None, batches: int = CALIBRATION_SAMPLES,
+                              seq_len: int = CALIBRATION_LENGTH) -> list[dict]:
+    """Calibration batches for the HF model directory `source`, from its own tokenizer: `batches`
+    windows of `seq_len` tokens for a causal LM, `batches` batches of 16 sentences (lines)
+    otherwise; the text is the file `text_file` or, by default, the training split of Python's
+    pydoc topics."""
+    if batches < 1 or seq_len < 16:
+        raise ValueError(f"calibration needs at least 1 sample of at least 16 tokens, got {batches} x {seq_len}")
     from transformers import AutoTokenizer
 
     from ..models.text import pydoc_sentences, pydoc_split
@@ -146,9 +156,10 @@ def calibration_for_directory(source, text_file=None, batches: int = 8) -> list[
         if not text.strip():
             raise ValueError(f"--calibration {text_file}: the file holds no text")
     if "CausalLM" in arch:
-        calibration = causal_calibration(tokenizer, text if text_file is not None else pydoc_split().train, batches)
+        calibration = causal_calibration(tokenizer, text if text_file is not None else pydoc_split().train, batches,
+                                         seq_len)
         if not calibration:
-            raise ValueError(f"--calibration {text_file}: too short, fewer than 256 tokens")
+            raise ValueError(f"--calibration {text_file or 'text'}: too short, fewer than {seq_len} tokens")
         return calibration
     lines = ([ln.strip() for ln in text.splitlines() if ln.strip()][:16 * batches] if text_file is not None
              else pydoc_sentences(16 * batches, seed=1))
@@ -435,7 +446,7 @@ def compare(subject: Subject, schemes: Sequence[str], method: str = "rtn",
         lb = layer_bits(model, plan)
         t0 = time.perf_counter()
         quantize_model(model, scheme, skip=subject.skip, method=method,
-                       calibration=subject.calibration if method == "gptq" else None)
+                       calibration=subject.calibration if method != "rtn" else None)
         row = measure(subject, model, scheme.label, name, lb)
         row["method"] = method
         row["quantize_seconds"] = time.perf_counter() - t0

@@ -10,7 +10,9 @@
  * here a group's values stay in registers / L1 for all of its candidates.
  *
  * x: float32 [count, n], group gi of column group gi % groups; valid: NULL or uint8
- * [groups, n], the mask of real (non-padding) entries, the same on every row. The groups are
+ * [groups, n], the mask of real (non-padding) entries, the same on every row; wts: NULL (the
+ * weights each search defines from x) or float64 [count, n], the weights of every value, given
+ * (importance-weighted rounding: fewbits.quant.kquant_search.importance_weights), 0 on padding. The groups are
  * shared out over torch's OpenMP threads where the library was built with OpenMP. */
 #include <math.h>
 #include <stdint.h>
@@ -65,6 +67,15 @@ static inline __attribute__((always_inline)) void symmetric_weights(const float 
     }
 }
 
+/* x as float64 and the given weights of one group */
+static inline __attribute__((always_inline)) void given_weights(const float *xg, const double *wg, int n, double *xd,
+                                                                double *w) {
+    for (int k = 0; k < n; k++) {
+        xd[k] = (double)xg[k];
+        w[k] = wg[k];
+    }
+}
+
 static inline __attribute__((always_inline)) double weighted_error(double s, double m, double sl, double sl2,
                                                                    double sxl, double sw, double sx, double sx2) {
     return s * s * sl2 + 2 * s * m * sl - 2 * s * sxl + m * m * sw - 2 * m * sx + sx2;
@@ -86,11 +97,15 @@ static inline __attribute__((always_inline)) void candidate_sums(const double *x
     *sxl = tree_sum(c, n);
 }
 
-static inline __attribute__((always_inline)) void float_min_group(const float *xg, const uint8_t *vm, int n,
-                                                                  double nmax, const double *cands, int ncand,
-                                                                  double *scale_out, double *negmin_out) {
+static inline __attribute__((always_inline)) void float_min_group(const float *xg, const uint8_t *vm,
+                                                                  const double *wg, int n, double nmax,
+                                                                  const double *cands, int ncand, double *scale_out,
+                                                                  double *negmin_out) {
     double xd[FB_KQ_MAX_N], w[FB_KQ_MAX_N], xs[FB_KQ_MAX_N], t[FB_KQ_MAX_N];
-    float_min_weights(xg, vm, n, xd, w);
+    if (wg)
+        given_weights(xg, wg, n, xd, w);
+    else
+        float_min_weights(xg, vm, n, xd, w);
     double lo = INFINITY, hi = -INFINITY;
     for (int k = 0; k < n; k++) {
         if (vm && !vm[k]) continue;
@@ -140,25 +155,30 @@ static inline __attribute__((always_inline)) void float_min_group(const float *x
 /* float minimums (make_qkx2_quants' rule, weighted least squares): scale and -minimum per
  * group, cands[i] = nmax + rmin + rdelta * i */
 void fb_kquant_float_min(const float *x, int64_t count, int64_t groups, int32_t n, const uint8_t *valid,
-                         double nmax, const double *cands, int32_t ncand, double *scale, double *negmin) {
+                         const double *wts, double nmax, const double *cands, int32_t ncand, double *scale,
+                         double *negmin) {
 #pragma omp parallel for schedule(static) if (count >= 256)
     for (int64_t gi = 0; gi < count; gi++) {
         const float *xg = x + gi * (int64_t)n;
         const uint8_t *vm = valid ? valid + (gi % groups) * n : 0;
+        const double *wg = wts ? wts + gi * (int64_t)n : 0;
         if (n == 32)
-            float_min_group(xg, vm, 32, nmax, cands, ncand, scale + gi, negmin + gi);
+            float_min_group(xg, vm, wg, 32, nmax, cands, ncand, scale + gi, negmin + gi);
         else if (n == 16)
-            float_min_group(xg, vm, 16, nmax, cands, ncand, scale + gi, negmin + gi);
+            float_min_group(xg, vm, wg, 16, nmax, cands, ncand, scale + gi, negmin + gi);
         else
-            float_min_group(xg, vm, n, nmax, cands, ncand, scale + gi, negmin + gi);
+            float_min_group(xg, vm, wg, n, nmax, cands, ncand, scale + gi, negmin + gi);
     }
 }
 
-static inline __attribute__((always_inline)) double symmetric_group(const float *xg, const uint8_t *vm, int n,
-                                                                    double lowest, double top, const double *cands,
-                                                                    int ncand) {
+static inline __attribute__((always_inline)) double symmetric_group(const float *xg, const uint8_t *vm,
+                                                                    const double *wg, int n, double lowest, double top,
+                                                                    const double *cands, int ncand) {
     double xd[FB_KQ_MAX_N], w[FB_KQ_MAX_N], a[FB_KQ_MAX_N], b[FB_KQ_MAX_N];
-    symmetric_weights(xg, vm, n, xd, w);
+    if (wg)
+        given_weights(xg, wg, n, xd, w);
+    else
+        symmetric_weights(xg, vm, n, xd, w);
     double amax = -1.0, peak = 0.0;
     for (int k = 0; k < n; k++) { /* the first value of largest magnitude, padding included */
         const double v = fabs(xd[k]);
@@ -195,26 +215,30 @@ static inline __attribute__((always_inline)) double symmetric_group(const float 
 
 /* symmetric scales (make_qx_quants' rule): cands[i] = -(nmax + 0.1 * step_i) */
 void fb_kquant_symmetric(const float *x, int64_t count, int64_t groups, int32_t n, const uint8_t *valid,
-                         double lowest, double top, const double *cands, int32_t ncand, double *scale) {
+                         const double *wts, double lowest, double top, const double *cands, int32_t ncand,
+                         double *scale) {
 #pragma omp parallel for schedule(static) if (count >= 256)
     for (int64_t gi = 0; gi < count; gi++) {
         const float *xg = x + gi * (int64_t)n;
         const uint8_t *vm = valid ? valid + (gi % groups) * n : 0;
+        const double *wg = wts ? wts + gi * (int64_t)n : 0;
         if (n == 16)
-            scale[gi] = symmetric_group(xg, vm, 16, lowest, top, cands, ncand);
+            scale[gi] = symmetric_group(xg, vm, wg, 16, lowest, top, cands, ncand);
         else if (n == 32)
-            scale[gi] = symmetric_group(xg, vm, 32, lowest, top, cands, ncand);
+            scale[gi] = symmetric_group(xg, vm, wg, 32, lowest, top, cands, ncand);
         else
-            scale[gi] = symmetric_group(xg, vm, n, lowest, top, cands, ncand);
+            scale[gi] = symmetric_group(xg, vm, wg, n, lowest, top, cands, ncand);
     }
 }
 
-static inline __attribute__((always_inline)) void refine_group(const float *xg, const uint8_t *vm, int n,
-                                                               int float_min, double lo_q, double hi_q, double de,
-                                                               const double cs[2], double dme, const double cm[2],
-                                                               double *best_s, double *best_m) {
+static inline __attribute__((always_inline)) void refine_group(const float *xg, const uint8_t *vm,
+                                                               const double *wg, int n, int float_min, double lo_q,
+                                                               double hi_q, double de, const double cs[2], double dme,
+                                                               const double cm[2], double *best_s, double *best_m) {
     double xd[FB_KQ_MAX_N], w[FB_KQ_MAX_N], t[FB_KQ_MAX_N];
-    if (float_min)
+    if (wg)
+        given_weights(xg, wg, n, xd, w);
+    else if (float_min)
         float_min_weights(xg, vm, n, xd, w);
     else
         symmetric_weights(xg, vm, n, xd, w);
@@ -247,7 +271,7 @@ static inline __attribute__((always_inline)) void refine_group(const float *xg, 
  * that order, of least weighted squared error (the first of equal ones); de, dme: the group's
  * super-block scales, float64. cm0, cm1, dme, best_m: NULL when symmetric. */
 void fb_kquant_refine(const float *x, int64_t count, int64_t groups, int32_t n, const uint8_t *valid,
-                      int32_t float_min, double lo_q, double hi_q, const double *de, const double *cs0,
+                      const double *wts, int32_t float_min, double lo_q, double hi_q, const double *de, const double *cs0,
                       const double *cs1, const double *dme, const double *cm0, const double *cm1, double *best_s,
                       double *best_m) {
 #pragma omp parallel for schedule(static) if (count >= 256)
@@ -258,11 +282,12 @@ void fb_kquant_refine(const float *x, int64_t count, int64_t groups, int32_t n, 
         const double cm[2] = {float_min ? cm0[gi] : 0.0, float_min ? cm1[gi] : 0.0};
         const double dm = float_min ? dme[gi] : 0.0;
         double *bm = float_min ? best_m + gi : 0;
+        const double *wg = wts ? wts + gi * (int64_t)n : 0;
         if (n == 32)
-            refine_group(xg, vm, 32, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
+            refine_group(xg, vm, wg, 32, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
         else if (n == 16)
-            refine_group(xg, vm, 16, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
+            refine_group(xg, vm, wg, 16, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
         else
-            refine_group(xg, vm, n, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
+            refine_group(xg, vm, wg, n, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
     }
 }
