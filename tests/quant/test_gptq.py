@@ -14,6 +14,7 @@ from torch import nn
 import fewbits as fb
 from fewbits.formats import IntFormat
 from fewbits.quant import QuantScheme, get_scheme, quantize
+from fewbits.quant.tensor import takes_importance
 from fewbits.quant import gptq as G
 from fewbits.quant.gptq import (collect_hessians, gptq_quantize_model, gptq_quantize_weight, gptq_solve,
                                 hessian_error)
@@ -94,8 +95,8 @@ def reference_gptq(W, H, scheme, damp=0.01):
 def test_blocked_algorithm_matches_the_reference(scheme):
     W, H = weight(), hessian(inputs(512, COLS, 0))
     ref = reference_gptq(W, H, scheme)
-    for block_size in (1, 32, 128):
-        got = gptq_solve(W, H, scheme, block_size=block_size).dequantized
+    for block_size in (1, 32, 128):  # the reference chooses its scales as quantize() does
+        got = gptq_solve(W, H, scheme, block_size=block_size, weighted_scales=False).dequantized
         # float32 blocked updates against float64 column updates: the updated weights, hence the
         # dynamic group scales, differ in their last bits, so compare grid points, not bits (a
         # near-tie could still land on the neighbouring point: allow a few)
@@ -232,7 +233,7 @@ def test_integer_fast_rounding_equals_fewbits_round():
 def test_act_order_uses_static_groups_from_the_original_weights():
     W, H = weight(), hessian(inputs(512, COLS, 3))
     for scheme in ("int4_g32", "int4_asym_g32", "nf4", "mxfp4"):
-        r = gptq_solve(W, H, scheme, act_order=True)
+        r = gptq_solve(W, H, scheme, act_order=True, weighted_scales=False)
         plain = quantize(W, scheme)
         assert torch.equal(r.qtensor.scale_values(), plain.scale_values())  # the plain group layout
         assert torch.equal(r.perm, torch.argsort(H.diagonal(), descending=True, stable=True))
@@ -246,10 +247,34 @@ def test_act_order_uses_static_groups_from_the_original_weights():
 
 def test_static_groups_without_act_order():
     W, H = weight(), hessian(inputs(512, COLS, 3))
-    r = gptq_solve(W, H, "int4_g32", static_groups=True)
+    r = gptq_solve(W, H, "int4_g32", static_groups=True, weighted_scales=False)
     assert r.perm is None
     assert torch.equal(r.qtensor.scale_values(), quantize(W, "int4_g32").scale_values())
     assert hessian_error(W, r.dequantized, H) < 0.5 * hessian_error(W, rtn(W, "int4_g32"), H)
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "q4_0", "q4_1", "q4_k", "q6_k", "nf4"])
+def test_weighted_scales_are_the_importance_weighted_ones_of_the_hessians_diagonal(scheme):
+    """By default GPTQ searches each group's scales under H's damped diagonal (the inputs' mean
+    squares), as method "imatrix" does: static groups get quantize(W, importance=...)'s scales,
+    and the result beats GPTQ under the plain scales on H's error."""
+    from fewbits.quant.importance import damped
+
+    X = inputs(512, COLS, 3) * (torch.rand(COLS, generator=torch.Generator().manual_seed(3)) ** 3 * 4 + 0.05)
+    W, H = weight(), hessian(X)
+    if get_scheme(scheme).super_block is not None:
+        W = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.05
+        X = torch.randn(512, 256, generator=torch.Generator().manual_seed(5)) * torch.rand(256) ** 3
+        H = hessian(X)
+    r = gptq_solve(W, H, scheme, static_groups=True)
+    want = quantize(W, scheme, importance=damped(H.diagonal().double())) if takes_importance(scheme, W.shape) \
+        else quantize(W, scheme)
+    assert torch.equal(r.qtensor.scale_values(), want.scale_values())
+    plain = gptq_solve(W, H, scheme, static_groups=True, weighted_scales=False)
+    if takes_importance(scheme, W.shape):
+        assert hessian_error(W, r.dequantized, H) < hessian_error(W, plain.dequantized, H)
+    else:  # nf4's lookup codes: the same scales either way
+        assert torch.equal(r.dequantized, plain.dequantized)
 
 
 def test_dead_columns_keep_their_weights_and_do_not_spread_error():

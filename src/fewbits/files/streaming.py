@@ -44,11 +44,12 @@ from torch import nn
 from ..model_building import building, parameters_on_meta
 from ..progress import counter
 from ..quant.gptq import (
-    _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block, capture_block_inputs,
+    WEIGHTED_SCALES, _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block,
+    capture_block_inputs,
 )
-from ..quant.importance import DAMP, ImportanceHooks
+from ..quant.importance import DAMP, ImportanceHooks, importance_sources
 from ..quant.plan import calibration_batches, model_device, resolve_plan, run_batch
-from ..quant.tensor import QuantizedTensor, quantize, takes_importance
+from ..quant.tensor import QuantizedTensor, quantize
 from .hf_dir import model_class
 from .safetensors_format import FileFormatError
 
@@ -373,10 +374,13 @@ def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dic
     streamed block by block over the calibration batches (see the module docstring); layers after
     the blocks (an untied head) from one pass of the model in which every block replays its
     recorded output. Leaves the model's parameters on the meta device again."""
-    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)
-              and takes_importance(plan[n], model.get_submodule(n).weight.shape)]
+    sources = importance_sources(model, plan)
+    linear = sorted(set(sources.values()))
     if not linear:
         return {}
+    # a tied head the plan leaves out (its weight is the embedding's) runs on the embedding's
+    # loaded weight in the pass after the blocks
+    ties = [(model.get_submodule(n), model.get_submodule(e)) for e, n in sources.items() if e != n]
     found = _find_blocks(model, linear)
     if found is None:
         raise ValueError("streamed imatrix needs a model made of repeated blocks (an nn.ModuleList of "
@@ -399,6 +403,8 @@ def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dic
     hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
     collected = ImportanceHooks({n: model.get_submodule(n) for n in linear})
     originals = list(blocks)
+    for head_module, embedding in ties:
+        head_module._parameters["weight"] = embedding._parameters["weight"]
     try:
         cached = capture_block_inputs(model, blocks[0], batches)
         as_tuple = False
@@ -421,13 +427,16 @@ def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dic
                 with torch.no_grad():
                     for b in batches:
                         run_batch(model, b, model_device(model))
-        return collected.importance(damp)
+        measured = collected.importance(damp)
+        return {name: measured[source] for name, source in sources.items()}
     finally:
         for j, block in enumerate(originals):
             blocks[j] = block
         for h in hooks:
             h.remove()
         _unload(model, outside)
+        for head_module, embedding in ties:  # tied again to the unloaded weight
+            head_module._parameters["weight"] = embedding._parameters["weight"]
 
 
 def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:
@@ -454,8 +463,10 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     _load(model, [n for n in outside if n not in lookups], tensors, torch.float32, plan)
     _load(model, lookups, tensors, None, plan)
     hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
-    options = {k: v for k, v in options.items() if k in ("block_size", "damp", "act_order", "static_groups")}
-    full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None, **options}
+    options = {k: v for k, v in options.items()
+               if k in ("block_size", "damp", "act_order", "static_groups", "weighted_scales")}
+    full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None,
+            "weighted_scales": WEIGHTED_SCALES, **options}
     modules = {n: model.get_submodule(n) for n in linear}
     run = _SequentialGPTQ(model, plan, batches, modules, full, report)
     done_names = set()

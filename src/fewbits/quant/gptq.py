@@ -48,14 +48,20 @@ from ..kernels import round as fb_round
 from . import scales as sc
 from ..progress import counter
 from .lowbit_ops import one_thread
+from .importance import damped
+from .kquant_search import importance_weights
 from .plan import calibration_batches, call_model, model_device, run_batch
 from .scheme import QuantScheme, get_scheme
-from .tensor import _SCALE_DTYPES, QuantizedTensor, quantize, quantize_scaled, rounding_generator, to_groups
+from .tensor import (_SCALE_DTYPES, QuantizedTensor, importance_view, quantize, quantize_scaled, rounding_generator,
+                     takes_importance, to_groups)
 
 __all__ = ["GPTQResult", "gptq_solve", "gptq_quantize_weight", "hessian_error", "collect_hessians",
            "gptq_quantize_model"]
 
 _DAMP_RETRIES = 6
+# the scales each group is rounded under are searched on the error weighted by the Hessian's
+# diagonal (the inputs' mean squares: importance-weighted rounding, fewbits.quant.importance)
+WEIGHTED_SCALES = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +80,10 @@ class _Grid:
     exactly. `span`: the columns one scale choice covers (a group, or a super-block).
     """
 
-    def __init__(self, scheme: QuantScheme, W: torch.Tensor, static: bool, generator):
+    def __init__(self, scheme: QuantScheme, W: torch.Tensor, static: bool, generator,
+                 importance: torch.Tensor | None = None):
         self.scheme = scheme
+        self.importance = importance  # float64 [cols] or None: the scale searches' column weights
         self.fmt = scheme.format
         rows, cols = W.shape
         self.rows, self.cols = rows, cols
@@ -121,7 +129,7 @@ class _Grid:
             self.inv[0] = self.scale[0] = one
             return
         # the scheme's own scales on the original weights, as quantize() chooses them
-        scaling = sc.choose(*to_groups(W, s), s, self.tensor_scale)
+        scaling = sc.choose(*to_groups(W, s), s, self.tensor_scale, weights=self._weights(W, 0))
         if s.double_quant:  # the elements are rounded under the scales as stored
             q, bs, off = sc.double_quantize(scaling.scale)
             self.dq_parts = {"dq_codes": q, "dq_scales": bs, "dq_offset": off}
@@ -137,12 +145,22 @@ class _Grid:
         (error-updated) weights of its columns: the scheme's own rule on their group view
         [rows, groups, group_size] (padded if the last group is short); NVFP4's tensor scale stays
         the whole original tensor's."""
-        scaling = sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale)
+        scaling = sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale,
+                            weights=self._weights(columns, b * self.span))
         first = b * (self.span // self.group_size)
         for j in range(scaling.scale.shape[1]):
             self._take(first + j, scaling, j)
         if scaling.super_scale is not None:
             self._take_super(b, scaling, 0)
+
+    def _weights(self, columns: torch.Tensor, first: int) -> torch.Tensor | None:
+        """The importance weights of the group view of `columns` (the weight's columns from
+        `first` on), or None without importance."""
+        if self.importance is None:
+            return None
+        imp = self.importance[first:first + columns.shape[1]]
+        g, valid = to_groups(columns, self.scheme)
+        return importance_weights(g, valid, importance_view(imp, self.scheme, columns.shape))
 
     def _take_super(self, b: int, scaling: sc.Scaling, j: int) -> None:
         """Super-block b's scales d (and dmin): column j of `scaling`'s super-block scales."""
@@ -307,7 +325,8 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 
 
 def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, damp: float = 0.01,
-               act_order: bool = False, static_groups: bool | None = None) -> GPTQResult:
+               act_order: bool = False, static_groups: bool | None = None,
+               weighted_scales: bool = WEIGHTED_SCALES) -> GPTQResult:
     """GPTQ on one weight matrix W [out, in] with the Hessian H [in, in] of its input
     (H = 2 X^T X / n; see collect_hessians). See gptq_quantize_weight for the arguments."""
     scheme = get_scheme(scheme)
@@ -327,7 +346,10 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
         return GPTQResult(empty, W.detach().to(torch.float32).clone(), float(damp), None, 0)
     W32 = W.detach().to(torch.float32).clone()
     generator = rounding_generator(scheme, "cpu")  # kernels.random draws the seeds on the CPU
-    grid = _Grid(scheme, W32, static_groups, generator)
+    importance = None
+    if weighted_scales and takes_importance(scheme, W.shape) and bool((H.diagonal() > 0).any()):
+        importance = damped(H.diagonal().detach().to("cpu", torch.float64)).to(torch.float64)
+    grid = _Grid(scheme, W32, static_groups, generator, importance)
 
     H = H.detach().to(torch.float64)
     dead = H.diagonal() == 0
@@ -392,7 +414,7 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128, 
 
 def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme, block_size: int = 128,
                          damp: float = 0.01, act_order: bool = False,
-                         static_groups: bool | None = None) -> QuantizedTensor:
+                         static_groups: bool | None = None, weighted_scales: bool = WEIGHTED_SCALES) -> QuantizedTensor:
     """Quantize a weight W [out, in] with GPTQ, given the Hessian H [in, in] of its input.
 
     scheme: a QuantScheme or preset name: any element format with per-tensor, per-output-channel
@@ -405,9 +427,13 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme, block_size: i
         energy first). With groups it needs static groups (scales from the original weights).
     static_groups: choose every group's scale from the original weights up front (default: only
         with act_order; double quantization always uses static scales).
+    weighted_scales: search each group's scales on the error weighted by H's diagonal (the
+        inputs' mean squares, damped: fewbits.quant.importance), as method "imatrix" does, where
+        the scheme's scales take importance (fewbits.quant.tensor.takes_importance; default
+        True); False: the scheme's own scale rule, as quantize() without importance.
     Returns a QuantizedTensor whose dequantize() equals GPTQ's quantized weights exactly.
     """
-    return gptq_solve(W, H, scheme, block_size, damp, act_order, static_groups).qtensor
+    return gptq_solve(W, H, scheme, block_size, damp, act_order, static_groups, weighted_scales).qtensor
 
 
 def hessian_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
@@ -835,7 +861,7 @@ def advance_block(block: nn.Module, cached) -> None:
 def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calibration,
                         progress: bool | Callable | None = None, block_size: int = 128, damp: float = 0.01,
                         act_order: bool = False, static_groups: bool | None = None,
-                        sequential: bool = True) -> dict[str, QuantizedTensor]:
+                        sequential: bool = True, weighted_scales: bool = WEIGHTED_SCALES) -> dict[str, QuantizedTensor]:
     """GPTQ-quantize the weights of the planned layers; returns {name: QuantizedTensor}.
 
     plan: {module name: scheme} (see fewbits.quant.plan.resolve_plan); nn.Linear layers get
@@ -853,6 +879,7 @@ def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calib
         model runs once per group of layers sharing an input, each pass stopping as soon as the
         group has seen it. False: one pass of the float model gives every Hessian.
     progress: True for a progress bar on stderr, or a callable(done, total, name).
+    block_size, damp, act_order, static_groups, weighted_scales: as gptq_quantize_weight.
     The model's float weights are left as they were (quantize_model replaces the modules).
     """
     if not isinstance(model, nn.Module):
@@ -863,7 +890,8 @@ def gptq_quantize_model(model: nn.Module, plan: Mapping[str, QuantScheme], calib
     if not plan:
         raise ValueError("the plan is empty: nothing to quantize")
     batches = calibration_batches(calibration)
-    options = dict(block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups)
+    options = dict(block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
+                   weighted_scales=weighted_scales)
     report = counter(progress, len(plan), "gptq")
     for name in plan:
         try:

@@ -87,6 +87,30 @@ def damped(mean_square: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     return (ms + damp * mean).to(torch.float32)
 
 
+def importance_sources(model: nn.Module, plan) -> dict[str, str]:
+    """{planned layer: the nn.Linear whose input columns weigh its weight's columns}, for every
+    planned layer whose scheme takes importance (fewbits.quant.tensor.takes_importance): an
+    nn.Linear, its own input; an nn.Embedding whose weight an nn.Linear shares (a tied output
+    head, which llama.cpp computes the logits with too), that Linear's input, the hidden state
+    its columns multiply."""
+    from .tensor import takes_importance
+
+    sources = {}
+    for name, scheme in plan.items():
+        module = model.get_submodule(name)
+        weight = getattr(module, "weight", None)
+        if weight is None or not takes_importance(scheme, weight.shape):
+            continue
+        if isinstance(module, nn.Linear):
+            sources[name] = name
+        elif isinstance(module, nn.Embedding):
+            head = next((n for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) and m.weight is weight), None)
+            if head is not None:
+                sources[name] = head
+    return sources
+
+
 def collect_importance(model: nn.Module, layers: Iterable[str], calibration, damp: float = DAMP,
                        progress=None) -> dict[str, torch.Tensor]:
     """{layer name: float32 [in_features]}: the damped mean square input of each named nn.Linear of

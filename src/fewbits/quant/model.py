@@ -16,8 +16,8 @@ from torch import nn
 from ..progress import counter
 from .gptq import gptq_quantize_model
 from .plan import is_quantized, quantized_module, resolve_plan, set_submodule, tied_weights
-from .importance import DAMP, collect_importance
-from .tensor import quantize, takes_importance
+from .importance import DAMP, collect_importance, importance_sources
+from .tensor import quantize
 
 
 def _round_to_nearest(model, plan, calibration, progress, **options):
@@ -31,9 +31,9 @@ def _imatrix(model, plan, calibration, progress, damp: float = DAMP, **options):
         raise TypeError(f"unexpected options for imatrix: {', '.join(options)}")
     if calibration is None:
         raise ValueError("method='imatrix' needs calibration data (an iterable of model inputs)")
-    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)
-              and takes_importance(plan[n], model.get_submodule(n).weight.shape)]
-    importance = collect_importance(model, linear, calibration, damp) if linear else {}
+    sources = importance_sources(model, plan)
+    measured = collect_importance(model, sorted(set(sources.values())), calibration, damp) if sources else {}
+    importance = {name: measured[source] for name, source in sources.items()}
 
     def weight(name, module):
         return quantize(module.weight.detach(), plan[name], importance=importance.get(name))
@@ -61,9 +61,9 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
     skip: name patterns kept in float (e.g. "lm_head", "*.classifier").
     method: "rtn" (round to nearest, or the scheme's mode), "imatrix" (round to nearest under
         scales searched on the error weighted by each input column's mean square on the
-        calibration, as llama.cpp's importance matrix: fewbits.quant.importance; layers whose scales
-        are fixed by their recipe, MX, NVFP4 and plain casts, and embeddings are rounded to nearest;
-        option damp) or "gptq" (both need `calibration`: an iterable of model inputs — tensors,
+        calibration, as llama.cpp's importance matrix: fewbits.quant.importance; a tied embedding is
+        weighed by its output head's input; layers whose scales are fixed by their recipe (MX,
+        NVFP4, plain casts) and untied embeddings are rounded to nearest; option damp) or "gptq" (both need `calibration`: an iterable of model inputs — tensors,
         tuples of positional args or dicts of keyword args).
     progress: True for a progress bar on stderr, or a callable(done, total, name).
     tied: "keep" (default): a layer whose weight another module shares (a tied lm_head) stays in

@@ -1,0 +1,249 @@
+"""Quality of fewbits' GGUF files against llama.cpp at its best, on text neither was calibrated on,
+judged by llama.cpp's own `llama-perplexity` with KL divergence to the float model.
+
+    python benchmarks/bench_quality.py                        # 8 types x 5 makers, ~45 min here
+    python benchmarks/bench_quality.py --types q4_0,q4_k_m --methods imatrix --json q.json --plot q.png
+
+Needs llama.cpp's C++ tools (benchmarks/setup_llama_tools.sh builds them once, ~5 min) and the
+Debian package `fortunes` (downloaded once with `apt-get download`, unpacked into
+~/.cache/fewbits/texts; nothing is installed). On SmolLM2-135M:
+
+- Calibration text: Python's pydoc topics (the training split, fewbits' default calibration
+  text), the first --calib-samples windows of --calib-length tokens. Both sides get the same
+  amount of the same text: llama.cpp's `llama-imatrix -c LENGTH --chunks SAMPLES` on the same
+  file, fewbits' `--calibration FILE --calibration-samples SAMPLES --calibration-length LENGTH`.
+- Evaluation text: another domain, never calibrated on: the English prose sections of Debian's
+  `fortunes` (literature, people, politics, science, ...; the computer sections left out), the
+  first --eval-chunks windows of 512 tokens. llama-perplexity writes the F32 model's logits once
+  (--kl-divergence-base) and scores every file against them: perplexity, mean and 99th
+  percentile KL divergence, and how often the top token is the float model's.
+- Files, per GGUF type, all of the same tensor types (checked tensor by tensor) and so the same
+  size: llama.cpp's `llama-quantize` without and with its importance matrix (`--imatrix`; the
+  uniform types with `--pure`, as fewbits' uniform schemes are; the mixes with llama.cpp's own
+  rules, which fewbits' q4_k_m / q5_k_m recipes reproduce), and `fewbits quantize smollm2
+  --format gguf --method M` for each --methods M (rtn, imatrix, gptq).
+- CAVEAT: SmolLM2's packaged weights are GGUF Q4_1 dequantized (fewbits.models.Q4_1_CAVEAT):
+  types with a per-group minimum (Q4_1, Q5_1, the K mixes) can re-find that grid and come out
+  near-lossless for whoever finds it; Q4_0, Q5_0, Q8_0 cannot.
+
+Prints the CPU, a table (type, maker, tensor types, bits/param, PPL, KLD mean / 99%, same top
+%, KLD against llama.cpp + imatrix) and, with --plot, KLD against bits per parameter.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_gguf_decode import f32_gguf, tools_dir  # noqa: E402
+
+# type -> (llama-quantize type, --pure, fewbits --scheme)
+TYPES = {
+    "q4_0": ("Q4_0", True, "q4_0"), "q4_1": ("Q4_1", True, "q4_1"), "q5_0": ("Q5_0", True, "q5_0"),
+    "q5_1": ("Q5_1", True, "q5_1"), "q8_0": ("Q8_0", True, "q8_0"), "q6_k": ("Q6_K", True, "q6_k"),
+    "q4_k_m": ("Q4_K_M", False, "q4_k_m"), "q5_k_m": ("Q5_K_M", False, "q5_k_m"),
+}
+METHODS = ("rtn", "imatrix", "gptq")
+# the prose sections of Debian's fortunes (the computer, Linux, Debian and ASCII-art ones left out)
+FORTUNE_SECTIONS = ("art", "education", "food", "humorists", "kids", "law", "literature", "love", "medicine",
+                    "people", "pets", "platitudes", "politics", "science", "songs-poems", "sports", "wisdom", "work")
+TEXTS = os.path.expanduser("~/.cache/fewbits/texts")
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def fortunes_dir() -> str:
+    """The unpacked `fortunes` package's text files, downloaded once (apt-get download + dpkg-deb -x)."""
+    target = os.path.join(TEXTS, "fortunes")
+    found = os.path.join(target, "usr", "share", "games", "fortunes")
+    if os.path.isfile(os.path.join(found, "literature")):
+        return found
+    os.makedirs(target, exist_ok=True)
+    r = subprocess.run(["apt-get", "download", "fortunes"], cwd=target, capture_output=True, text=True)
+    debs = glob.glob(os.path.join(target, "fortunes_*.deb"))
+    if not debs:
+        raise SystemExit("cannot download the Debian package fortunes (apt-get download fortunes):\n" + r.stderr[-1500:])
+    subprocess.run(["dpkg-deb", "-x", debs[0], target], check=True)
+    return found
+
+
+def write_texts(work: str) -> tuple[str, str]:
+    from fewbits.models.text import pydoc_split
+
+    calib = os.path.join(work, "calibration-pydoc.txt")
+    with open(calib, "w", encoding="utf-8") as f:
+        f.write(pydoc_split().train)
+    src = fortunes_dir()
+    parts = []
+    for name in FORTUNE_SECTIONS:
+        with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f:
+            parts.append(f.read().replace("\n%\n", "\n\n"))
+    evaluation = os.path.join(work, "evaluation-fortunes.txt")
+    with open(evaluation, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(parts))
+    return calib, evaluation
+
+
+def run(cmd, what: str) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{what} failed ({' '.join(cmd[:3])} ...):\n{(r.stderr or r.stdout)[-2500:]}")
+    return r.stdout + r.stderr
+
+
+def kl_scores(bins: str, path: str, base: str, threads: int) -> dict:
+    out = run([os.path.join(bins, "llama-perplexity"), "-m", path, "--kl-divergence-base", base, "--kl-divergence",
+               "-t", str(threads)], f"llama-perplexity on {os.path.basename(path)}")
+
+    def number(pattern):
+        m = re.search(pattern, out, re.M)
+        if not m:
+            raise SystemExit(f"llama-perplexity printed no {pattern!r} for {path}:\n{out[-1500:]}")
+        return float(m.group(1))
+    return {"ppl": number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)"), "kld": number(r"^Mean\s+KLD:\s*([\d.]+)"),
+            "kld99": number(r"^99\.0%\s+KLD:\s*([\d.]+)"), "same_top": number(r"^Same top p:\s*([\d.]+)")}
+
+
+def file_stats(path: str) -> dict:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    params = sum(int(t.n_elements) for t in r.tensors)
+    data = sum(int(t.n_bytes) for t in r.tensors)
+    from collections import Counter
+    c = Counter(v for k, v in types.items() if v != "F32")
+    return {"types": types, "bits_per_param": data * 8 / params,
+            "summary": " ".join(f"{k}x{n}" for k, n in sorted(c.items()))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--calib-samples", type=int, default=8)
+    p.add_argument("--calib-length", type=int, default=256)
+    p.add_argument("--eval-chunks", type=int, default=32, help="windows of 512 tokens of the evaluation text")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tools", help="llama.cpp's bin directory (default: setup_llama_tools.sh's)")
+    p.add_argument("--work", default=os.path.expanduser("~/.cache/fewbits/bench-quality"))
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--plot", help="write KLD against bits per parameter here (PNG)")
+    args = p.parse_args(argv)
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for t in types:
+        if t not in TYPES:
+            raise SystemExit(f"--types: unknown {t!r}; known: {', '.join(TYPES)}")
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"--methods: unknown {m!r}; known: {', '.join(METHODS)}")
+    os.makedirs(args.work, exist_ok=True)
+    bins = tools_dir(args.tools)
+    log(f"CPU: {cpu_name()}; llama.cpp tools: {bins}")
+    calib, evaluation = write_texts(args.work)
+    f32 = f32_gguf(args.work)
+    base = os.path.join(args.work, f"base-{args.eval_chunks}.kld")
+    if not os.path.exists(base):
+        log("llama-perplexity: the F32 model's logits on the evaluation text ...")
+        run([os.path.join(bins, "llama-perplexity"), "-m", f32, "-f", evaluation, "-c", "512", "--chunks",
+             str(args.eval_chunks), "-t", str(args.threads), "--kl-divergence-base", base + ".part"], "the base logits")
+        os.replace(base + ".part", base)
+    f32_scores = kl_scores(bins, f32, base, args.threads)
+    log(f"F32: perplexity {f32_scores['ppl']:.3f} on {args.eval_chunks} x 512 tokens of fortunes")
+    imatrix = os.path.join(args.work, f"imatrix-{args.calib_samples}x{args.calib_length}.gguf")
+    t0 = time.perf_counter()
+    run([os.path.join(bins, "llama-imatrix"), "-m", f32, "-f", calib, "-c", str(args.calib_length), "--chunks",
+         str(args.calib_samples), "-t", str(args.threads), "-o", imatrix], "llama-imatrix")
+    imatrix_seconds = time.perf_counter() - t0
+    rows = []
+    for t in types:
+        ltype, pure, scheme = TYPES[t]
+        makers = [("llama.cpp", None), ("llama.cpp + imatrix", imatrix)] + [(f"fewbits {m}", m) for m in methods]
+        ref_types = None
+        for maker, how in makers:
+            path = os.path.join(args.work, f"{t}-{maker.replace(' ', '_').replace('+', 'plus')}.gguf")
+            t0 = time.perf_counter()
+            if maker.startswith("llama.cpp"):
+                cmd = [os.path.join(bins, "llama-quantize")] + (["--pure"] if pure else [])
+                cmd += (["--imatrix", how] if how else []) + [f32, path, ltype, str(args.threads)]
+                run(cmd, f"llama-quantize {ltype}")
+            else:
+                cmd = [sys.executable, "-m", "fewbits.cli", "quantize", "smollm2", "--scheme", scheme, "--format", "gguf",
+                       "--method", how, "--out", path, "--overwrite", "--quiet"]
+                if how != "rtn":
+                    cmd += ["--calibration", calib, "--calibration-samples", str(args.calib_samples),
+                            "--calibration-length", str(args.calib_length)]
+                run(cmd, f"fewbits quantize {scheme} --method {how}")
+            seconds = time.perf_counter() - t0 + (imatrix_seconds if how == imatrix else 0.0)
+            stats = file_stats(path)
+            if ref_types is None:
+                ref_types = stats["types"]
+            mismatched = sorted(n for n in set(ref_types) | set(stats["types"])
+                                if ref_types.get(n) != stats["types"].get(n))
+            row = {"type": t, "maker": maker, "tensor_types": stats["summary"], "bits_per_param": stats["bits_per_param"],
+                   "types_match": not mismatched, "mismatched": mismatched[:5], "seconds": seconds,
+                   **kl_scores(bins, path, base, args.threads)}
+            rows.append(row)
+            log(f"{t:7s} {maker:20s} {stats['summary']:28s} KLD {row['kld']:.4f}  PPL {row['ppl']:.3f}"
+                + ("" if row["types_match"] else f"  TYPES DIFFER: {mismatched[:3]}"))
+    best = {r["type"]: r["kld"] for r in rows if r["maker"] == "llama.cpp + imatrix"}
+    print(f"# CPU: {cpu_name()}. SmolLM2-135M (Q4_1-dequantized weights: see the caveat); calibration "
+          f"{args.calib_samples} x {args.calib_length} tokens of pydoc (both sides); evaluation {args.eval_chunks} x 512 "
+          f"tokens of Debian's fortunes; F32 perplexity {f32_scores['ppl']:.3f}; scored by llama-perplexity")
+    print("| type | maker | tensor types | bits/param | PPL | KLD | KLD 99% | same top % | KLD vs llama.cpp + imatrix |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = r["kld"] / best[r["type"]] if best.get(r["type"]) else float("nan")
+        print(f"| {r['type']} | {r['maker']} | {r['tensor_types']}{'' if r['types_match'] else ' (DIFFER)'} | "
+              f"{r['bits_per_param']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['kld99']:.3f} | {r['same_top']:.2f} | "
+              f"{ratio:.2f}x |")
+    result = {"cpu": cpu_name(), "f32": f32_scores, "calibration": [args.calib_samples, args.calib_length],
+              "eval_chunks": args.eval_chunks, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f32_scores)
+    return 0
+
+
+def plot(rows, path: str, f32_scores) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for maker in dict.fromkeys(r["maker"] for r in rows):
+        pts = sorted((r["bits_per_param"], r["kld"]) for r in rows if r["maker"] == maker)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=maker)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per parameter (tensor data)")
+    ax.set_ylabel("mean KL divergence to F32 (log)")
+    ax.set_title("SmolLM2-135M on held-out text (fortunes), calibrated on pydoc")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
