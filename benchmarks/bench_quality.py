@@ -13,7 +13,7 @@ Debian package `fortunes` (downloaded once with `apt-get download`, unpacked int
   amount of the same text: llama.cpp's `llama-imatrix -c LENGTH --chunks SAMPLES` on the same
   file, fewbits' `--calibration FILE --calibration-samples SAMPLES --calibration-length LENGTH`.
 - Evaluation text: another domain, never calibrated on: the English prose sections of Debian's
-  `fortunes` (literature, people, politics, science, ...; the computer sections left out), the
+  `fortunes` (people, politics, science, wisdom, ...; the computer sections left out), the
   first --eval-chunks windows of 512 tokens. llama-perplexity writes the F32 model's logits once
   (--kl-divergence-base) and scores every file against them: perplexity, mean and 99th
   percentile KL divergence, and how often the top token is the float model's.
@@ -53,7 +53,7 @@ TYPES = {
 }
 METHODS = ("rtn", "imatrix", "gptq")
 # the prose sections of Debian's fortunes (the computer, Linux, Debian and ASCII-art ones left out)
-FORTUNE_SECTIONS = ("art", "education", "food", "humorists", "kids", "law", "literature", "love", "medicine",
+FORTUNE_SECTIONS = ("art", "education", "food", "humorists", "kids", "law", "love", "medicine",
                     "people", "pets", "platitudes", "politics", "science", "songs-poems", "sports", "wisdom", "work")
 TEXTS = os.path.expanduser("~/.cache/fewbits/texts")
 
@@ -74,7 +74,7 @@ def fortunes_dir() -> str:
     """The unpacked `fortunes` package's text files, downloaded once (apt-get download + dpkg-deb -x)."""
     target = os.path.join(TEXTS, "fortunes")
     found = os.path.join(target, "usr", "share", "games", "fortunes")
-    if os.path.isfile(os.path.join(found, "literature")):
+    if os.path.isfile(os.path.join(found, "people")):
         return found
     os.makedirs(target, exist_ok=True)
     r = subprocess.run(["apt-get", "download", "fortunes"], cwd=target, capture_output=True, text=True)
