@@ -24,7 +24,11 @@ Debian package `fortunes` (downloaded once with `apt-get download`, unpacked int
   --format gguf --method M` for each --methods M (rtn, imatrix, gptq).
 - CAVEAT: SmolLM2's packaged weights are GGUF Q4_1 dequantized (fewbits.models.Q4_1_CAVEAT):
   types with a per-group minimum (Q4_1, Q5_1, the K mixes) can re-find that grid and come out
-  near-lossless for whoever finds it; Q4_0, Q5_0, Q8_0 cannot.
+  near-lossless for whoever finds it; Q4_0, Q5_0, Q8_0 cannot. --finetune STEPS first moves the
+  weights off that grid: STEPS steps of fp32 AdamW (--finetune-lr, 4 windows of 256 tokens a step) on a
+  third text, the GPL and other licenses of /usr/share/common-licenses, and the whole
+  benchmark runs on that genuinely float model (printed: how far off the grid it is, as the
+  relative error of re-quantizing its matrices to Q4_1, against a fresh Gaussian's).
 
 Prints the CPU, a table (type, maker, tensor types, bits/param, PPL, KLD mean / 99%, same top
 %, KLD against llama.cpp + imatrix) and, with --plot, KLD against bits per parameter.
@@ -43,7 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_gguf_decode import f32_gguf, tools_dir  # noqa: E402
+from bench_gguf_decode import tools_dir  # noqa: E402
 
 # type -> (llama-quantize type, --pure, fewbits --scheme)
 TYPES = {
@@ -102,6 +106,87 @@ def write_texts(work: str) -> tuple[str, str]:
     return calib, evaluation
 
 
+def model_directory(work: str, finetune: int, lr: float = 1e-3) -> str:
+    """SmolLM2's HF directory: the packaged one, or a copy fine-tuned `finetune` steps at learning
+    rate `lr` (cached)."""
+    from fewbits.models import smollm2_directory
+
+    src = str(smollm2_directory())
+    if not finetune:
+        return src
+    out = os.path.join(work, f"smollm2-finetuned-{finetune}-lr{lr:g}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    text = "\n\n".join(open(p, encoding="utf-8", errors="replace").read()
+                        for p in sorted(glob.glob("/usr/share/common-licenses/*")) if os.path.isfile(p))
+    ids = tok(text, return_tensors="pt")["input_ids"][0]
+    windows = ids[: ids.numel() // 256 * 256].reshape(-1, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(finetune):
+        batch = windows[(step * 4) % len(windows):][:4]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log(f"fine-tune step {step + 1}/{finetune}: loss {loss.item():.3f}")
+    model.eval()
+    part = out + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    os.replace(part, out)
+    return out
+
+
+def off_grid(directory: str) -> float:
+    """Mean over the 2-d matrices of ||W - Q4_1(W)|| / ||W - Q4_1(G)||-normalized: the relative
+    error of re-quantizing W to Q4_1, over that of a Gaussian matrix of the same shape (0: on
+    Q4_1's grid, 1: as far off it as random floats)."""
+    import torch
+
+    from fewbits.files.hf_dir import read_tensors
+    from fewbits.quant import quantize
+
+    tensors = read_tensors(directory)
+    ratios = []
+    g = torch.Generator().manual_seed(0)
+    for name in sorted(tensors):
+        w = tensors[name]
+        if w.dim() != 2 or "layers.3." not in name:  # one block's matrices: enough to tell
+            continue
+        w = w.to(torch.float32)
+        rel = float((quantize(w, "q4_1").dequantize() - w).norm() / w.norm())
+        r = torch.randn(w.shape, generator=g)
+        ref = float((quantize(r, "q4_1").dequantize() - r).norm() / r.norm())
+        ratios.append(rel / ref)
+    return sum(ratios) / max(len(ratios), 1)
+
+
+def f32_gguf(work: str, directory: str, tag: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench_gguf import tensor_mapping
+    from fewbits.files.gguf_file import write_gguf
+
+    path = os.path.join(work, f"{tag}-f32.gguf")
+    if not os.path.exists(path):
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        write_gguf(path + ".part", tensor_mapping(model), model.config, AutoTokenizer.from_pretrained(directory),
+                   overwrite=True, file_type="f32")
+        os.replace(path + ".part", path)
+    return path
+
+
 def run(cmd, what: str) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -147,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=os.path.expanduser("~/.cache/fewbits/bench-quality"))
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write KLD against bits per parameter here (PNG)")
+    p.add_argument("--finetune", type=int, default=0, metavar="STEPS",
+                   help="first move SmolLM2 off its Q4_1 grid with STEPS steps of fp32 fine-tuning (see above)")
+    p.add_argument("--finetune-lr", type=float, default=1e-3, help="the fine-tune's learning rate (default 1e-3)")
     args = p.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -160,8 +248,12 @@ def main(argv=None) -> int:
     bins = tools_dir(args.tools)
     log(f"CPU: {cpu_name()}; llama.cpp tools: {bins}")
     calib, evaluation = write_texts(args.work)
-    f32 = f32_gguf(args.work)
-    base = os.path.join(args.work, f"base-{args.eval_chunks}.kld")
+    tag = f"smollm2-ft{args.finetune}-lr{args.finetune_lr:g}" if args.finetune else "smollm2"
+    directory = model_directory(args.work, args.finetune, args.finetune_lr)
+    grid = off_grid(directory)
+    log(f"model: {tag} ({directory}); off Q4_1's grid: {grid:.3f} (0 on it, 1 as a Gaussian)")
+    f32 = f32_gguf(args.work, directory, tag)
+    base = os.path.join(args.work, f"{tag}-base-{args.eval_chunks}.kld")
     if not os.path.exists(base):
         log("llama-perplexity: the F32 model's logits on the evaluation text ...")
         run([os.path.join(bins, "llama-perplexity"), "-m", f32, "-f", evaluation, "-c", "512", "--chunks",
@@ -169,7 +261,7 @@ def main(argv=None) -> int:
         os.replace(base + ".part", base)
     f32_scores = kl_scores(bins, f32, base, args.threads)
     log(f"F32: perplexity {f32_scores['ppl']:.3f} on {args.eval_chunks} x 512 tokens of fortunes")
-    imatrix = os.path.join(args.work, f"imatrix-{args.calib_samples}x{args.calib_length}.gguf")
+    imatrix = os.path.join(args.work, f"{tag}-imatrix-{args.calib_samples}x{args.calib_length}.gguf")
     t0 = time.perf_counter()
     run([os.path.join(bins, "llama-imatrix"), "-m", f32, "-f", calib, "-c", str(args.calib_length), "--chunks",
          str(args.calib_samples), "-t", str(args.threads), "-o", imatrix], "llama-imatrix")
@@ -180,14 +272,14 @@ def main(argv=None) -> int:
         makers = [("llama.cpp", None), ("llama.cpp + imatrix", imatrix)] + [(f"fewbits {m}", m) for m in methods]
         ref_types = None
         for maker, how in makers:
-            path = os.path.join(args.work, f"{t}-{maker.replace(' ', '_').replace('+', 'plus')}.gguf")
+            path = os.path.join(args.work, f"{tag}-{t}-{maker.replace(' ', '_').replace('+', 'plus')}.gguf")
             t0 = time.perf_counter()
             if maker.startswith("llama.cpp"):
                 cmd = [os.path.join(bins, "llama-quantize")] + (["--pure"] if pure else [])
                 cmd += (["--imatrix", how] if how else []) + [f32, path, ltype, str(args.threads)]
                 run(cmd, f"llama-quantize {ltype}")
             else:
-                cmd = [sys.executable, "-m", "fewbits.cli", "quantize", "smollm2", "--scheme", scheme, "--format", "gguf",
+                cmd = [sys.executable, "-m", "fewbits.cli", "quantize", directory, "--scheme", scheme, "--format", "gguf",
                        "--method", how, "--out", path, "--overwrite", "--quiet"]
                 if how != "rtn":
                     cmd += ["--calibration", calib, "--calibration-samples", str(args.calib_samples),
@@ -206,7 +298,10 @@ def main(argv=None) -> int:
             log(f"{t:7s} {maker:20s} {stats['summary']:28s} KLD {row['kld']:.4f}  PPL {row['ppl']:.3f}"
                 + ("" if row["types_match"] else f"  TYPES DIFFER: {mismatched[:3]}"))
     best = {r["type"]: r["kld"] for r in rows if r["maker"] == "llama.cpp + imatrix"}
-    print(f"# CPU: {cpu_name()}. SmolLM2-135M (Q4_1-dequantized weights: see the caveat); calibration "
+    what = (f"fine-tuned {args.finetune} steps at lr {args.finetune_lr:g}, {grid:.2f} of the way off Q4_1's grid"
+            if args.finetune
+            else "Q4_1-dequantized weights: see the caveat")
+    print(f"# CPU: {cpu_name()}. SmolLM2-135M ({what}); calibration "
           f"{args.calib_samples} x {args.calib_length} tokens of pydoc (both sides); evaluation {args.eval_chunks} x 512 "
           f"tokens of Debian's fortunes; F32 perplexity {f32_scores['ppl']:.3f}; scored by llama-perplexity")
     print("| type | maker | tensor types | bits/param | PPL | KLD | KLD 99% | same top % | KLD vs llama.cpp + imatrix |")
@@ -216,17 +311,17 @@ def main(argv=None) -> int:
         print(f"| {r['type']} | {r['maker']} | {r['tensor_types']}{'' if r['types_match'] else ' (DIFFER)'} | "
               f"{r['bits_per_param']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['kld99']:.3f} | {r['same_top']:.2f} | "
               f"{ratio:.2f}x |")
-    result = {"cpu": cpu_name(), "f32": f32_scores, "calibration": [args.calib_samples, args.calib_length],
+    result = {"cpu": cpu_name(), "model": tag, "off_grid": grid, "f32": f32_scores, "calibration": [args.calib_samples, args.calib_length],
               "eval_chunks": args.eval_chunks, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
-        plot(rows, args.plot, f32_scores)
+        plot(rows, args.plot, tag)
     return 0
 
 
-def plot(rows, path: str, f32_scores) -> None:
+def plot(rows, path: str, tag: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -238,7 +333,7 @@ def plot(rows, path: str, f32_scores) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("bits per parameter (tensor data)")
     ax.set_ylabel("mean KL divergence to F32 (log)")
-    ax.set_title("SmolLM2-135M on held-out text (fortunes), calibrated on pydoc")
+    ax.set_title(f"{tag} on held-out text (fortunes), calibrated on pydoc")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -14,6 +14,23 @@ import torch  # noqa: E402
 
 
 @pytest.fixture
+def lib():
+    """The native library of this machine's build (fewbits.kernels.native): a failure when a C
+    compiler is here but it did not build, a skip where there is none. Test files that build
+    several ISAs define their own `lib`."""
+    import shutil
+
+    from fewbits.kernels import native
+
+    built = native.library()
+    if built is None:
+        if shutil.which("cc") is not None or shutil.which("gcc") is not None:
+            pytest.fail(f"a C compiler is here but the native kernels did not build: {native.status()}")
+        pytest.skip(native.status()["reason"])
+    return built
+
+
+@pytest.fixture
 def eager_kernels():
     """Eager kernels: the compiled ones are specialised per format and take seconds each to
     compile; they are compared with the reference in test_round_exact.py."""

@@ -14,16 +14,6 @@ HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 
 @pytest.fixture
-def lib():
-    lib = native.library()
-    if lib is None:
-        if HAVE_CC:
-            pytest.fail(f"a C compiler is here but the native kernels did not build: {native.status()}")
-        pytest.skip(native.status()["reason"])
-    return lib
-
-
-@pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
     """native with no library loaded, its cache in tmp_path; the real one restored after."""
     monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path))

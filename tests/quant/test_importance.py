@@ -9,32 +9,19 @@ from calibration data, and the scale searches of every integer block format unde
 - collect_importance is each layer's mean square input, damped; quantize_model(method="imatrix")
   is quantize() under it, layer by layer;
 - bad importance is a clear error."""
-import shutil
 
 import pytest
 import torch
 from torch import nn
 
 import fewbits as fb
-from fewbits.kernels import native
 from fewbits.quant import get_scheme, quantize
 from fewbits.quant import kquant_search as ks
 from fewbits.quant.importance import DAMP, collect_importance, damped
 from fewbits.quant.tensor import importance_view, takes_importance, to_groups
 
-HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 BLOCK_SCHEMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 PLAIN_SCHEMES = ("int4_g32", "int4_asym_g32", "int4", "int8")
-
-
-@pytest.fixture
-def lib():
-    lib = native.library()
-    if lib is None:
-        if HAVE_CC:
-            pytest.fail(f"a C compiler is here but the native kernels did not build: {native.status()}")
-        pytest.skip(native.status()["reason"])
-    return lib
 
 
 def _layer(rows=48, cols=512, seed=0):

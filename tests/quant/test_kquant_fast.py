@@ -4,7 +4,6 @@ the floor/ceil choice of the sub-scale codes, and whole quantize() results, on r
 genuine MiniLM weights, hard rows and rows that are not a multiple of 256; and the fixed order
 of the sums (group_sum) and the correctly rounded square root they both follow."""
 import math
-import shutil
 
 import pytest
 import torch
@@ -14,18 +13,7 @@ from fewbits.quant import get_scheme, quantize
 from fewbits.quant import scales as sc
 from fewbits.quant.tensor import STATE_KEYS, to_groups
 
-HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 KQUANTS = ("q4_k", "q5_k", "q6_k")
-
-
-@pytest.fixture
-def lib():
-    lib = native.library()
-    if lib is None:
-        if HAVE_CC:
-            pytest.fail(f"a C compiler is here but the native kernels did not build: {native.status()}")
-        pytest.skip(native.status()["reason"])
-    return lib
 
 
 def hard_rows(cols: int, seed: int) -> torch.Tensor:

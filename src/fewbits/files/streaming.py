@@ -381,21 +381,7 @@ def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dic
     # a tied head the plan leaves out (its weight is the embedding's) runs on the embedding's
     # loaded weight in the pass after the blocks
     ties = [(model.get_submodule(n), model.get_submodule(e)) for e, n in sources.items() if e != n]
-    found = _find_blocks(model, linear)
-    if found is None:
-        raise ValueError("streamed imatrix needs a model made of repeated blocks (an nn.ModuleList of "
-                         "decoder or encoder layers); quantize this one in memory with fewbits.quantize_model")
-    prefix, blocks = found
-    head = prefix + "."
-
-    def block_of(name):
-        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
-
-    in_block = [[] for _ in blocks]
-    outside = []
-    for name in names:
-        b = block_of(name)
-        (outside if b is None else in_block[b]).append(name)
+    blocks, block_of, in_block, outside = _split_by_block(model, linear, names, "imatrix")
     post = [n for n in linear if block_of(n) is None]
     lookups = {n for n in outside if _is_plain_embedding(model, n, plan, shared_ok=not post)}
     _load(model, [n for n in outside if n not in lookups], tensors, torch.float32, plan)
@@ -439,11 +425,13 @@ def _stream_importance(model, tensors, names, plan, batches, damp: float) -> dic
             head_module._parameters["weight"] = embedding._parameters["weight"]
 
 
-def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:
-    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)]
+def _split_by_block(model, linear, names, method: str):
+    """(the model's repeated blocks, block_of(name) -> block index or None, the tensor names of
+    each block, the tensor names outside the blocks); a ValueError when the model has no stack
+    of repeated blocks holding the `linear` layers."""
     found = _find_blocks(model, linear)
     if found is None:
-        raise ValueError("streamed GPTQ needs a model made of repeated blocks (an nn.ModuleList of "
+        raise ValueError(f"streamed {method} needs a model made of repeated blocks (an nn.ModuleList of "
                          "decoder or encoder layers); quantize this one in memory with fewbits.quantize_model")
     prefix, blocks = found
     head = prefix + "."
@@ -456,6 +444,12 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     for name in names:
         b = block_of(name)
         (outside if b is None else in_block[b]).append(name)
+    return blocks, block_of, in_block, outside
+
+
+def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:
+    linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)]
+    blocks, block_of, in_block, outside = _split_by_block(model, linear, names, "GPTQ")
     # an embedding that stays in float is looked up in the source's dtype and its rows cast to
     # float32 (the same values as a float32 table's rows, at half the memory for bf16 weights)
     after = any(block_of(n) is None for n in linear)  # a pass of the whole model will run (a tied head too)

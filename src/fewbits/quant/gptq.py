@@ -48,9 +48,9 @@ from ..kernels import round as fb_round
 from . import scales as sc
 from ..progress import counter
 from .lowbit_ops import one_thread
-from .importance import damped
+from .importance import InputHooks, damped
 from .kquant_search import importance_weights
-from .plan import calibration_batches, call_model, model_device, run_batch
+from .plan import calibration_batches, model_device, run_batch
 from .scheme import QuantScheme, get_scheme
 from .tensor import (_SCALE_DTYPES, QuantizedTensor, importance_view, quantize, quantize_scaled, rounding_generator,
                      takes_importance, to_groups)
@@ -458,32 +458,23 @@ def _version_of(x: torch.Tensor):
         return None
 
 
-class _HessianHooks:
+class _HessianHooks(InputHooks):
     """Forward pre-hooks accumulating X^T X of each watched nn.Linear's input: each batch's product
     in the input's precision (float32, float64 for float64 inputs), the sum over batches in float64.
 
     Several layers fed the very same tensor (q/k/v projections) share one X^T X product."""
 
     def __init__(self, modules: Mapping[str, nn.Module], stop_after_all: bool = False):
-        self.modules = dict(modules)
+        super().__init__(modules)
         self.sums = {n: None for n in self.modules}
         self.counts = {n: 0 for n in self.modules}
         self.stop_after_all = stop_after_all
         self._seen: set[str] = set()
         self._last = None  # (input tensor, its version, X^T X, rows)
-        self._handles = []
-
-    def __enter__(self):
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
-        return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         self._last = None
-        return False
+        return super().__exit__(*exc)
 
     def start_batch(self):
         self._seen.clear()

@@ -25,15 +25,13 @@ from .plan import calibration_batches, model_device, run_batch
 DAMP = 0.01  # of the mean, added to every column (GPTQ's default damping of its Hessian)
 
 
-class ImportanceHooks:
-    """Forward pre-hooks summing the squares of each watched nn.Linear's input, per column
-    (float64), and counting its rows (tokens). Use as a context manager around forward passes."""
+class InputHooks:
+    """Forward pre-hooks on named modules, registered for the time of a `with` block: each
+    module's input goes to self._hook(name)(module, args, kwargs), which subclasses define
+    (ImportanceHooks here, GPTQ's Hessian hooks)."""
 
     def __init__(self, modules: Mapping[str, nn.Module]):
         self.modules = dict(modules)
-        self.sums: dict[str, torch.Tensor | None] = {n: None for n in self.modules}
-        self.counts = {n: 0 for n in self.modules}
-        self.active = True  # False: the hooks let inputs pass uncounted
         self._handles = []
 
     def __enter__(self):
@@ -46,6 +44,20 @@ class ImportanceHooks:
             h.remove()
         self._handles.clear()
         return False
+
+    def _hook(self, name):
+        raise NotImplementedError
+
+
+class ImportanceHooks(InputHooks):
+    """Forward pre-hooks summing the squares of each watched nn.Linear's input, per column
+    (float64), and counting its rows (tokens). Use as a context manager around forward passes."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]):
+        super().__init__(modules)
+        self.sums: dict[str, torch.Tensor | None] = {n: None for n in self.modules}
+        self.counts = {n: 0 for n in self.modules}
+        self.active = True  # False: the hooks let inputs pass uncounted
 
     def _hook(self, name):
         def hook(module, args, kwargs):
