@@ -235,7 +235,12 @@ def main(argv=None) -> int:
     p.add_argument("--finetune", type=int, default=0, metavar="STEPS",
                    help="first move SmolLM2 off its Q4_1 grid with STEPS steps of fp32 fine-tuning (see above)")
     p.add_argument("--finetune-lr", type=float, default=1e-3, help="the fine-tune's learning rate (default 1e-3)")
+    p.add_argument("--table", metavar="JSON", help="only print the table of a saved --json result (a run stopped early)")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print_table(json.load(f))
+        return 0
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for t in types:
@@ -267,6 +272,16 @@ def main(argv=None) -> int:
          str(args.calib_samples), "-t", str(args.threads), "-o", imatrix], "llama-imatrix")
     imatrix_seconds = time.perf_counter() - t0
     rows = []
+    result = {"cpu": cpu_name(), "model": tag, "off_grid": grid, "f32": f32_scores,
+              "finetune": [args.finetune, args.finetune_lr] if args.finetune else None,
+              "calibration": [args.calib_samples, args.calib_length], "eval_chunks": args.eval_chunks, "rows": rows}
+
+    def save():  # after every row: a long run stopped early keeps what it measured
+        if args.json:
+            with open(args.json + ".part", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(args.json + ".part", args.json)
+
     for t in types:
         ltype, pure, scheme = TYPES[t]
         makers = [("llama.cpp", None), ("llama.cpp + imatrix", imatrix)] + [(f"fewbits {m}", m) for m in methods]
@@ -295,15 +310,27 @@ def main(argv=None) -> int:
                    "types_match": not mismatched, "mismatched": mismatched[:5], "seconds": seconds,
                    **kl_scores(bins, path, base, args.threads)}
             rows.append(row)
+            save()
             log(f"{t:7s} {maker:20s} {stats['summary']:28s} KLD {row['kld']:.4f}  PPL {row['ppl']:.3f}"
                 + ("" if row["types_match"] else f"  TYPES DIFFER: {mismatched[:3]}"))
+    save()
+    print_table(result)
+    if args.plot:
+        plot(rows, args.plot, tag)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    """The markdown table of a run's result (as --json writes it)."""
+    rows = result["rows"]
     best = {r["type"]: r["kld"] for r in rows if r["maker"] == "llama.cpp + imatrix"}
-    what = (f"fine-tuned {args.finetune} steps at lr {args.finetune_lr:g}, {grid:.2f} of the way off Q4_1's grid"
-            if args.finetune
+    ft = result.get("finetune")
+    what = (f"fine-tuned {ft[0]} steps at lr {ft[1]:g}, {result['off_grid']:.2f} of the way off Q4_1's grid" if ft
             else "Q4_1-dequantized weights: see the caveat")
-    print(f"# CPU: {cpu_name()}. SmolLM2-135M ({what}); calibration "
-          f"{args.calib_samples} x {args.calib_length} tokens of pydoc (both sides); evaluation {args.eval_chunks} x 512 "
-          f"tokens of Debian's fortunes; F32 perplexity {f32_scores['ppl']:.3f}; scored by llama-perplexity")
+    samples, length = result["calibration"]
+    print(f"# CPU: {result['cpu']}. SmolLM2-135M ({what}); calibration {samples} x {length} tokens of pydoc (both "
+          f"sides); evaluation {result['eval_chunks']} x 512 tokens of Debian's fortunes; F32 perplexity "
+          f"{result['f32']['ppl']:.3f}; scored by llama-perplexity")
     print("| type | maker | tensor types | bits/param | PPL | KLD | KLD 99% | same top % | KLD vs llama.cpp + imatrix |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -311,14 +338,6 @@ def main(argv=None) -> int:
         print(f"| {r['type']} | {r['maker']} | {r['tensor_types']}{'' if r['types_match'] else ' (DIFFER)'} | "
               f"{r['bits_per_param']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['kld99']:.3f} | {r['same_top']:.2f} | "
               f"{ratio:.2f}x |")
-    result = {"cpu": cpu_name(), "model": tag, "off_grid": grid, "f32": f32_scores, "calibration": [args.calib_samples, args.calib_length],
-              "eval_chunks": args.eval_chunks, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(rows, args.plot, tag)
-    return 0
 
 
 def plot(rows, path: str, tag: str) -> None:
