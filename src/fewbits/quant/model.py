@@ -15,8 +15,8 @@ from torch import nn
 
 from ..progress import counter
 from .gptq import gptq_quantize_model
-from .plan import is_quantized, quantized_module, resolve_plan, set_submodule, tied_weights
 from .importance import DAMP, collect_importance, importance_sources
+from .plan import is_quantized, quantized_module, resolve_plan, set_submodule, tied_weights
 from .tensor import quantize
 
 
@@ -61,10 +61,11 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
     skip: name patterns kept in float (e.g. "lm_head", "*.classifier").
     method: "rtn" (round to nearest, or the scheme's mode), "imatrix" (round to nearest under
         scales searched on the error weighted by each input column's mean square on the
-        calibration, as llama.cpp's importance matrix: fewbits.quant.importance; a tied embedding is
-        weighed by its output head's input; layers whose scales are fixed by their recipe (MX,
-        NVFP4, plain casts) and untied embeddings are rounded to nearest; option damp) or "gptq" (both need `calibration`: an iterable of model inputs — tensors,
-        tuples of positional args or dicts of keyword args).
+        calibration, as llama.cpp's importance matrix: fewbits.quant.importance; a tied embedding
+        is weighed by its output head's input; layers whose scales are fixed by their recipe (MX,
+        NVFP4, plain casts) and untied embeddings are rounded to nearest; option damp) or "gptq"
+        (both need `calibration`: an iterable of model inputs — tensors, tuples of positional
+        args or dicts of keyword args).
     progress: True for a progress bar on stderr, or a callable(done, total, name).
     tied: "keep" (default): a layer whose weight another module shares (a tied lm_head) stays in
         float, so the tie and the parameter count survive; "untie": quantize it anyway.
