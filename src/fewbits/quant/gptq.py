@@ -129,7 +129,8 @@ class _Grid:
             self.inv[0] = self.scale[0] = one
             return
         # the scheme's own scales on the original weights, as quantize() chooses them
-        scaling = sc.choose(*to_groups(W, s), s, self.tensor_scale, weights=self._weights(W, 0))
+        g, valid = to_groups(W, s)
+        scaling = sc.choose(g, valid, s, self.tensor_scale, weights=self._weights(g, valid, W.shape, 0))
         if s.double_quant:  # the elements are rounded under the scales as stored
             q, bs, off = sc.double_quantize(scaling.scale)
             self.dq_parts = {"dq_codes": q, "dq_scales": bs, "dq_offset": off}
@@ -145,22 +146,22 @@ class _Grid:
         (error-updated) weights of its columns: the scheme's own rule on their group view
         [rows, groups, group_size] (padded if the last group is short); NVFP4's tensor scale stays
         the whole original tensor's."""
-        scaling = sc.choose(*to_groups(columns, self.scheme), self.scheme, self.tensor_scale,
-                            weights=self._weights(columns, b * self.span))
+        g, valid = to_groups(columns, self.scheme)
+        scaling = sc.choose(g, valid, self.scheme, self.tensor_scale,
+                            weights=self._weights(g, valid, columns.shape, b * self.span))
         first = b * (self.span // self.group_size)
         for j in range(scaling.scale.shape[1]):
             self._take(first + j, scaling, j)
         if scaling.super_scale is not None:
             self._take_super(b, scaling, 0)
 
-    def _weights(self, columns: torch.Tensor, first: int) -> torch.Tensor | None:
-        """The importance weights of the group view of `columns` (the weight's columns from
-        `first` on), or None without importance."""
+    def _weights(self, g: torch.Tensor, valid, shape, first: int) -> torch.Tensor | None:
+        """The importance weights of the group view (g, valid) of a [rows, cols] slice of the
+        weight's columns starting at `first`, or None without importance."""
         if self.importance is None:
             return None
-        imp = self.importance[first:first + columns.shape[1]]
-        g, valid = to_groups(columns, self.scheme)
-        return importance_weights(g, valid, importance_view(imp, self.scheme, columns.shape))
+        imp = self.importance[first:first + shape[1]]
+        return importance_weights(g, valid, importance_view(imp, self.scheme, shape))
 
     def _take_super(self, b: int, scaling: sc.Scaling, j: int) -> None:
         """Super-block b's scales d (and dmin): column j of `scaling`'s super-block scales."""
