@@ -54,6 +54,10 @@ TYPES = {
     "q4_0": ("Q4_0", True, "q4_0"), "q4_1": ("Q4_1", True, "q4_1"), "q5_0": ("Q5_0", True, "q5_0"),
     "q5_1": ("Q5_1", True, "q5_1"), "q8_0": ("Q8_0", True, "q8_0"), "q6_k": ("Q6_K", True, "q6_k"),
     "q4_k_m": ("Q4_K_M", False, "q4_k_m"), "q5_k_m": ("Q5_K_M", False, "q5_k_m"),
+    # below 4 bits: llama-quantize's Q2_K is a mix (fewbits' q2_k_m; fewbits' q2_k is every tensor in Q2_K)
+    "q2_k_m": ("Q2_K", False, "q2_k_m"), "q3_k_s": ("Q3_K_S", False, "q3_k_s"), "q3_k_m": ("Q3_K_M", False, "q3_k_m"),
+    "q3_k_l": ("Q3_K_L", False, "q3_k_l"), "q2_k": ("Q2_K", True, "q2_k"), "q3_k": ("Q3_K", True, "q3_k"),
+    "iq4_nl": ("IQ4_NL", True, "iq4_nl"),
 }
 METHODS = ("rtn", "imatrix", "gptq")
 # the prose sections of Debian's fortunes (the computer, Linux, Debian and ASCII-art ones left out)

@@ -519,6 +519,39 @@ def test_recipe_k_mixes_with_rows_of_256():
 
 
 @needs_k
+def test_recipe_low_bit_k_mixes():
+    # llama.cpp's llama_tensor_get_type for Q2_K, Q2_K_S and Q3_K_S/M/L (16 layers, 2 query heads per key-value head)
+    cfg = llama_config(hidden=256, inter=512, layers=16, vocab=320, tied=False)
+    layer = [f"model.layers.{i}." for i in range(16)]
+
+    def column(r, m):
+        return [r[p + m] for p in layer]
+
+    two = gguf_recipe("q2_k_m", cfg)
+    assert two["lm_head"] == "q6_k" and two["model.embed_tokens"] == "q2_k"
+    assert set(column(two, "self_attn.q_proj") + column(two, "mlp.up_proj") + column(two, "mlp.gate_proj")) == {"q2_k"}
+    assert set(column(two, "self_attn.v_proj") + column(two, "mlp.down_proj") + column(two, "self_attn.o_proj")) == {"q3_k"}
+    two_s = gguf_recipe("q2_k_s", cfg)
+    assert column(two_s, "mlp.down_proj") == ["q4_k"] * 2 + ["q2_k"] * 14 and set(column(two_s, "self_attn.v_proj")) == {"q2_k"}
+    gqa4 = llama_config(hidden=256, inter=512, layers=16, vocab=320, tied=False)
+    gqa4.num_attention_heads, gqa4.num_key_value_heads = 8, 2
+    assert set(column(gguf_recipe("q2_k_m", gqa4), "self_attn.v_proj")) == {"q4_k"}
+    assert set(column(gguf_recipe("q2_k_s", gqa4), "self_attn.v_proj")) == {"q4_k"}
+    small = gguf_recipe("q3_k_s", cfg)
+    assert small["lm_head"] == "q6_k" and set(v for k, v in small.items() if k != "lm_head") == {"q3_k"}
+    medium = gguf_recipe("q3_k_m", cfg)
+    assert column(medium, "self_attn.v_proj") == ["q5_k"] * 2 + ["q4_k"] * 14
+    assert column(medium, "mlp.down_proj") == ["q5_k"] + ["q4_k"] * 15  # the first sixteenth
+    assert set(column(medium, "self_attn.o_proj")) == {"q4_k"} and set(column(medium, "mlp.up_proj")) == {"q3_k"}
+    large = gguf_recipe("q3_k_l", cfg)
+    assert set(column(large, "self_attn.v_proj") + column(large, "mlp.down_proj") + column(large, "self_attn.o_proj")) \
+        == {"q5_k"}
+    # rows of 576 (SmolLM2): Q2_K and Q3_K fall back to Q4_0, as llama.cpp's tensor_type_fallback
+    assert gguf_recipe("q3_k", smollm2_like())["model.layers.0.self_attn.q_proj"] == "q4_0"
+    assert gguf_recipe("q2_k", smollm2_like())["model.layers.0.mlp.down_proj"] == "q2_k"  # rows of 1536
+
+
+@needs_k
 def test_recipe_bert_minilm():
     cfg = bert_config(vocab=30522, hidden=384, inter=1536, layers=6)
     r = gguf_recipe("q4_k_m", cfg)
@@ -637,10 +670,10 @@ def test_bad_config_and_options(tmp_path):
         write_gguf(tmp_path / "c.gguf", tensors, dict(cfg.to_dict(), hidden_size=None))
     with pytest.raises(TypeError, match="PretrainedConfig or a config.json dict"):
         write_gguf(tmp_path / "c.gguf", tensors, 3)
-    with pytest.raises(ValueError, match="unknown file_type 'q3_k'"):
-        write_gguf(tmp_path / "c.gguf", tensors, cfg, file_type="q3_k")
-    with pytest.raises(ValueError, match="unknown GGUF recipe 'q3_k_m'; recipes: q8_0"):
-        gguf_recipe("q3_k_m", cfg)
+    with pytest.raises(ValueError, match="unknown file_type 'q3_k_xl'"):
+        write_gguf(tmp_path / "c.gguf", tensors, cfg, file_type="q3_k_xl")
+    with pytest.raises(ValueError, match="unknown GGUF recipe 'iq3_m'; recipes: q8_0"):
+        gguf_recipe("iq3_m", cfg)
     assert_nothing_written(tmp_path, "c.gguf")
 
 

@@ -152,7 +152,7 @@ def _llama_logits(llama_cpp, path, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("recipe", ["q4_0", "q4_k_m", "q3_k_m", "q2_k_m"])
 def test_llama_cpp_computes_the_dequantized_model(tmp_path, recipe):
     """llama.cpp's logits from a fewbits GGUF are fewbits' dequantized model's (up to llama.cpp's
     f16 KV cache and 8-bit activations), far closer than the float model's."""

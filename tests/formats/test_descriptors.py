@@ -27,12 +27,12 @@ def test_registry_has_everything_the_issue_asks_for():
     names = {f.name for f in ALL}
     needed = {"fp64", "fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e4m3_ieee", "fp8_e4m3fnuz",
               "fp8_e4m3b11fnuz", "fp8_e5m2", "fp8_e5m2fnuz", "fp8_e3m4", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1",
-              "e8m0", "nf4"}
+              "e8m0", "nf4", "iq4_nl"}
     needed |= {f"int{b}" for b in range(2, 9)} | {f"uint{b}" for b in range(2, 9)}
     assert needed <= names
     assert len(names) == len(ALL)
     assert {f.kind for f in ALL} == {"float", "int", "lookup"}
-    assert fb.list_formats("lookup") == [fb.get_format("nf4")]
+    assert fb.list_formats("lookup") == [fb.get_format("nf4"), fb.get_format("iq4_nl")]
     assert all(f.kind == "int" for f in fb.list_formats("int"))
 
 

@@ -19,7 +19,7 @@ from fewbits.quant.tensor import quantize
 from helpers import build_c_source
 
 SRC = native.SOURCE_DIR / "introw.c"
-SCHEMES = ["q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1"]
+SCHEMES = ["q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1"]
 SHAPES = [(70, 576), (33, 512), (5, 800), (3, 32)]  # 576, 800: rows ending inside a super-block of 256
 
 

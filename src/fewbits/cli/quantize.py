@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                    help="minilm, smollm2, a Hugging Face model directory or a GGUF file (default minilm)")
     p.add_argument("--model", metavar="NAME|PATH", help="the same as MODEL")
     p.add_argument("--scheme", metavar="NAME", help="a quantization preset (see `fewbits quantize --list`); with "
-                   "--format gguf also a llama.cpp mix: q4_k_m, q4_k_s, q5_k_m")
+                   "--format gguf also a llama.cpp mix: q2_k_s, q2_k_m, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_m")
     p.add_argument("--compare", metavar="A,B,C", nargs="?", const=_QUANT_DEFAULT_COMPARE,
                    help=f"several presets: a comparison table and plot (alone: {_QUANT_DEFAULT_COMPARE})")
     p.add_argument("--method", choices=("rtn", "imatrix", "gptq"), default="rtn",

@@ -1,5 +1,5 @@
 """GGUF's block formats as bytes: a QuantizedTensor of the presets q8_0, q4_0, q4_1, q5_0, q5_1
-(blocks of 32 values) and q4_k, q5_k, q6_k (super-blocks of 256) written as the blocks llama.cpp
+(blocks of 32 values) and q2_k, q3_k, q4_k, q5_k, q6_k (super-blocks of 256) written as the blocks llama.cpp
 reads (ggml-common.h), little-endian:
 
 - Q8_0 (34 bytes): fp16 d, 32 int8 q;                          w = d * q
@@ -7,14 +7,22 @@ reads (ggml-common.h), little-endian:
 - Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles;        w = d * q + m
 - Q5_0 (22 bytes): fp16 d, uint32 qh, 16 bytes of nibbles;     w = d * (q - 16)
 - Q5_1 (24 bytes): fp16 d, fp16 m, uint32 qh, 16 bytes;        w = d * q + m
+- IQ4_NL (18 bytes): fp16 d, 16 bytes of nibbles;              w = d * kvalues[q] (fewbits' iq4_nl
+  codebook: -127, -104, ..., 113; the nibble is the index, fewbits' code)
 
 Byte j of the nibbles holds element j in its low nibble and element j + 16 in its high one; in
 Q5_*, bit i of qh is bit 4 of element i. The presets quantize as `gguf.quants.quantize` does
-(scale_method "gguf"), so these bytes equal the gguf package's own, and `gguf.quants.dequantize`
+(scale_method "gguf"; IQ4_NL, which gguf only dequantizes, by llama.cpp's signed-scale search,
+fewbits.quant.lookup_search), so these bytes equal the gguf package's own, and `gguf.quants.dequantize`
 of them equals QuantizedTensor.dequantize() bit for bit; decode_blocks reads such bytes back
 into a QuantizedTensor. Needs no gguf package.
 
-The k-quants (super-blocks of 256; sub-block j = values 32j..32j+31, Q6_K: 16j..16j+15):
+The k-quants (super-blocks of 256; sub-block j = values 32j..32j+31, Q2_K, Q3_K, Q6_K: 16j..16j+15):
+
+- Q2_K (84 bytes): 16 bytes of 4-bit sub-scales sc (low nibble) and sub-minimums m (high nibble),
+  64 bytes qs, fp16 d, fp16 dmin;                           w = (d * sc) * q - (dmin * m)
+- Q3_K (110 bytes): 32 bytes hmask, 64 bytes qs, 12 bytes of 6-bit signed sub-scales (stored
+  sc + 32), fp16 d;                                         w = (d * sc) * q, q in -4..3
 
 - Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sub-scales sc[8] and sub-minimums m[8],
   128 bytes of nibbles;                                     w = (d * sc) * q - (dmin * m)
@@ -27,7 +35,11 @@ sc[j + 4]; byte j + 4 likewise m[j] and m[j + 4]; byte j + 8 the low nibbles of 
 and m[j + 4] (high). Nibbles: byte 32c + l holds element 64c + l (low) and 64c + 32 + l (high).
 Q6_K, per half h of 128 values: ql[64h + l] holds elements 128h + l (low) and 128h + 64 + l
 (high), ql[64h + 32 + l] elements 128h + 32 + l and 128h + 96 + l; qh[32h + l] bits 4-5 of
-elements 128h + l, +32, +64, +96 in bit pairs 0, 2, 4, 6. The gguf package only dequantizes
+elements 128h + l, +32, +64, +96 in bit pairs 0, 2, 4, 6. Q2_K and Q3_K, per half h of 128
+values: bits 2j..2j+1 of qs[32h + l] hold the low two bits of element 128h + 32j + l (j < 4; Q2_K:
+its whole code q); in Q3_K bit 4h + j of hmask[l] is bit 2 of that element's q + 4. Q3_K's
+scale bytes: byte j (j < 8) holds bits 0-3 of sc[j] + 32 (low) and of sc[j + 8] + 32 (high), byte
+8 + k bits 4-5 of sc[k + 4i] + 32 in bit pair i (i < 4). The gguf package only dequantizes
 these types; fewbits chooses the codes (fewbits.quant.scales.SuperBlockScales, or GPTQ), and
 gguf.quants.dequantize of the bytes equals QuantizedTensor.dequantize() bit for bit.
 
@@ -53,6 +65,9 @@ GGUF_BLOCK_TYPES = {
     "Q5_0": ("q5_0", 6, 22),
     "Q5_1": ("q5_1", 7, 24),
     "Q8_0": ("q8_0", 8, 34),
+    "IQ4_NL": ("iq4_nl", 20, 18),
+    "Q2_K": ("q2_k", 10, 84),
+    "Q3_K": ("q3_k", 11, 110),
     "Q4_K": ("q4_k", 12, 144),
     "Q5_K": ("q5_k", 13, 176),
     "Q6_K": ("q6_k", 14, 210),
@@ -95,8 +110,8 @@ def _halves(t: torch.Tensor) -> np.ndarray:
 
 
 def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
-    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / q4_k / q5_k /
-    q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
+    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / q2_k / q3_k /
+    q4_k / q5_k / q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
     `gguf.quants.quantize` returns them (a GGUFWriter takes this array with raw_dtype = the GGML
     type). The last dimension must be a multiple of the block (32; 256 for the k-quants): GGUF
     blocks have no padding.
@@ -184,7 +199,7 @@ def _encode_legacy_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
     if qt.minimums is not None:
         out[..., 2:4] = _halves(qt.minimums)
         at = 4
-    flip = 0 if qt.minimums is not None or name == "Q8_0" else 1 << (bits - 1)  # two's complement -> offset
+    flip = 0 if qt.minimums is not None or name in ("Q8_0", "IQ4_NL") else 1 << (bits - 1)  # two's complement -> offset
     if bits == 4:  # the nibbles as they are packed, moved
         p = _packed_bytes(qt.codes)[: rows * cols // 2].reshape(rows, groups, 16)
         out[..., at:] = _split_nibbles(p) ^ (flip * 0x11)
@@ -208,6 +223,8 @@ def _encode_k_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
     out = np.empty((n, type_size), dtype=np.uint8)
     sc = _codes_u8(qt.sub_scales, sub.bits, n * per).reshape(n, per)  # int8: two's complement bytes
     d = _halves(qt.super_scales).reshape(n, 2)
+    if name in ("Q2_K", "Q3_K"):
+        return _encode_low_k_fast(qt, name, n, sc, d, out)
     if name == "Q6_K":
         q = (_codes_u8(qt.codes, 6, n * 256) ^ 32).reshape(n, 2, 4, 32)  # [half, quarter, l], value + 32
         ql = out[:, :128].reshape(n, 2, 2, 32)
@@ -235,6 +252,33 @@ def _encode_k_fast(qt: QuantizedTensor, name: str) -> np.ndarray:
     return out
 
 
+def _encode_low_k_fast(qt: QuantizedTensor, name: str, n: int, sc: np.ndarray, d: np.ndarray,
+                       out: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K super-blocks into out uint8 [n, type_size]; sc: the raw sub-scale codes [n, 16]."""
+    q = _codes_u8(qt.codes, qt.scheme.format.bits, n * 256).reshape(n, 2, 4, 32)  # [half, j, l]
+    if name == "Q3_K":
+        q = q ^ 4  # two's complement -> value + 4
+        bits = ((q >> 2) & 1).reshape(n, 8, 32).transpose(0, 2, 1)  # [n, l, i]: bit i of hmask[l]
+        out[:, 0:32] = np.packbits(np.ascontiguousarray(bits), axis=-1, bitorder="little")[..., 0]
+        qs = out[:, 32:96]
+    else:
+        qs = out[:, 16:80]
+    low = q & 3
+    qs[:] = (low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)).reshape(n, 64)
+    if name == "Q2_K":
+        m = _codes_u8(qt.sub_minimums, 4, n * 16).reshape(n, 16)
+        out[:, 0:16] = sc | (m << 4)
+        out[:, 80:82] = d
+        out[:, 82:84] = _halves(qt.super_minimums).reshape(n, 2)
+        return out
+    u = sc ^ 32  # 6-bit two's complement -> value + 32
+    out[:, 96:104] = (u[:, :8] & 0x0F) | ((u[:, 8:] & 0x0F) << 4)
+    hi = (u >> 4).reshape(n, 4, 4)  # [i, k]: sc[4i + k]
+    out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    out[:, 108:110] = d
+    return out
+
+
 def _encode_blocks_reference(qt: QuantizedTensor) -> np.ndarray:
     """encode_blocks() as first written, through the integer values (int_codes, int64): the
     reference encode_blocks is tested against."""
@@ -244,7 +288,10 @@ def _encode_blocks_reference(qt: QuantizedTensor) -> np.ndarray:
         assert blocks.shape[-1] == type_size
         return blocks.reshape(*shape[:-1], shape[-1] // block * type_size)
     rows, cols, _, groups = qt.scheme.layout(shape)
-    v = qt.int_codes().cpu().reshape(rows, groups, BLOCK).numpy()
+    if name == "IQ4_NL":  # the codebook index is the nibble
+        v = qt.element_codes().cpu().to(torch.int64).reshape(rows, groups, BLOCK).numpy() - 8
+    else:
+        v = qt.int_codes().cpu().reshape(rows, groups, BLOCK).numpy()
     parts = [_halves(qt.scales)]
     if qt.minimums is not None:
         parts.append(_halves(qt.minimums))
@@ -270,6 +317,8 @@ def _encode_k_reference(qt: QuantizedTensor, name: str) -> np.ndarray:
     v = qt.int_codes().cpu().numpy().reshape(n, 256)
     sc = qt.sub_scale_codes().cpu().numpy().reshape(n, per)
     d = _halves(qt.super_scales).reshape(n, 2)
+    if name in ("Q2_K", "Q3_K"):
+        return _encode_low_k_reference(qt, name, v, sc, d)
     if name == "Q6_K":
         q = (v + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, quarter, l]
         lo = q & 0xF
@@ -290,6 +339,57 @@ def _encode_k_reference(qt: QuantizedTensor, name: str) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
+def _encode_low_k_reference(qt: QuantizedTensor, name: str, v: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K super-blocks, element by element as llama.cpp's quantize_row_q2_K_ref /
+    q3_K_ref lay them out: v the integer values [n, 256], sc the sub-scale values [n, 16]."""
+    n = v.shape[0]
+    size = GGUF_BLOCK_TYPES[name][2]
+    out = np.zeros((n, size), dtype=np.uint8)
+    q = v + (4 if name == "Q3_K" else 0)  # Q3_K stores value + 4
+    qs_at = 32 if name == "Q3_K" else 16
+    for e in range(256):
+        h, j, l = e // 128, (e % 128) // 32, e % 32
+        out[:, qs_at + 32 * h + l] |= ((q[:, e] & 3) << (2 * j)).astype(np.uint8)
+        if name == "Q3_K":
+            out[:, l] |= (((q[:, e] >> 2) & 1) << (4 * h + j)).astype(np.uint8)
+    if name == "Q2_K":
+        m = qt.sub_scale_codes(minimums=True).cpu().numpy().reshape(n, 16)
+        out[:, 0:16] = (sc | (m << 4)).astype(np.uint8)
+        out[:, 80:82] = d
+        out[:, 82:84] = _halves(qt.super_minimums).reshape(n, 2)
+        return out
+    u = sc + 32
+    for j in range(16):
+        if j < 8:
+            out[:, 96 + j] |= (u[:, j] & 0xF).astype(np.uint8)
+        else:
+            out[:, 96 + j - 8] |= ((u[:, j] & 0xF) << 4).astype(np.uint8)
+        out[:, 104 + j % 4] |= ((u[:, j] >> 4) << (2 * (j // 4))).astype(np.uint8)
+    out[:, 108:110] = d
+    return out
+
+
+def _decode_low_k_reference(b: np.ndarray, type_name: str):
+    """(element values int64 [n, 256], sub-scale values [n, 16], sub-minimum values or None) of Q2_K /
+    Q3_K super-blocks b uint8 [n, size], element by element as llama.cpp's dequantize_row_q2_K / q3_K."""
+    n = b.shape[0]
+    values = np.zeros((n, 256), dtype=np.int64)
+    qs_at = 32 if type_name == "Q3_K" else 16
+    for e in range(256):
+        h, j, l = e // 128, (e % 128) // 32, e % 32
+        q = (b[:, qs_at + 32 * h + l].astype(np.int64) >> (2 * j)) & 3
+        if type_name == "Q3_K":
+            q = q - np.where((b[:, l] >> (4 * h + j)) & 1, 0, 4)
+        values[:, e] = q
+    if type_name == "Q2_K":
+        return values, (b[:, 0:16] & 0xF).astype(np.int64), (b[:, 0:16] >> 4).astype(np.int64)
+    sc = np.zeros((n, 16), dtype=np.int64)
+    for j in range(16):
+        low = (b[:, 96 + j] & 0xF) if j < 8 else (b[:, 96 + j - 8] >> 4)
+        sc[:, j] = (low | (((b[:, 104 + j % 4] >> (2 * (j // 4))) & 3) << 4)).astype(np.int64) - 32
+    return values, sc, None
+
+
 def _decode_k_reference(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dtype) -> QuantizedTensor:
     """A QuantizedTensor of a k-quant preset from its super-blocks b uint8 [rows, supers, size]."""
     rows, supers, size = b.shape
@@ -305,7 +405,12 @@ def _decode_k_reference(b: np.ndarray, scheme: QuantScheme, type_name: str, shap
 
     sub = scheme.sub_scale_format_of
     parts = {}
-    if type_name == "Q6_K":
+    if type_name in ("Q2_K", "Q3_K"):
+        values, sc, m = _decode_low_k_reference(b, type_name)
+        parts.update(sub_scales=packed(sc, sub), super_scales=halves(80 if type_name == "Q2_K" else 108).reshape(rows, supers))
+        if m is not None:
+            parts.update(sub_minimums=packed(m, sub), super_minimums=halves(82).reshape(rows, supers))
+    elif type_name == "Q6_K":
         ql, qh = b[:, :128].reshape(n, 2, 2, 32), b[:, 128:192].reshape(n, 2, 1, 32)
         low = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
@@ -349,7 +454,7 @@ def decode_blocks(blocks, type_name: str, shape, dtype: torch.dtype = torch.floa
     scales = halves(0)
     minimums = halves(2) if scheme.zero_point == "float" else None
     at = 4 if minimums is not None else 2
-    flip = 0 if minimums is not None or type_name == "Q8_0" else 1 << (bits - 1)  # offset -> two's complement
+    flip = 0 if minimums is not None or type_name in ("Q8_0", "IQ4_NL") else 1 << (bits - 1)  # offset -> two's complement
     if bits == 4:
         codes = torch.from_numpy(_join_nibbles(b[..., at:]).reshape(-1) ^ (flip * 0x11))
     elif type_name == "Q8_0":
@@ -392,7 +497,23 @@ def _decode_k_fast(b: np.ndarray, scheme: QuantScheme, type_name: str, shape, dt
 
     sub = scheme.sub_scale_format_of
     parts = {}
-    if type_name == "Q6_K":
+    if type_name in ("Q2_K", "Q3_K"):
+        qs = b[:, 16:80] if type_name == "Q2_K" else b[:, 32:96]
+        q = (qs.reshape(n, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [half, j, l]
+        if type_name == "Q2_K":
+            codes = _pack_u8(q, 2)
+            parts.update(sub_scales=_pack_u8(b[:, 0:16] & 0xF, 4), super_scales=halves(80).reshape(rows, supers),
+                         sub_minimums=_pack_u8(b[:, 0:16] >> 4, 4), super_minimums=halves(82).reshape(rows, supers))
+        else:
+            high = np.unpackbits(np.ascontiguousarray(b[:, 0:32])[:, :, None], axis=-1, bitorder="little")  # [n, l, i]
+            high = np.ascontiguousarray(high.transpose(0, 2, 1)).reshape(n, 2, 4, 32) << 2
+            codes = _pack_u8((q | high) ^ 4, 3)  # value + 4 -> two's complement
+            sb = b[:, 96:108]
+            low = np.concatenate([sb[:, :8] & 0xF, sb[:, :8] >> 4], axis=-1)  # sc[j] + 32, bits 0-3
+            hi = (sb[:, 8:12].reshape(n, 1, 4) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [i, k]
+            parts.update(sub_scales=_pack_u8((low | (hi.reshape(n, 16) << 4)) ^ 32, 6),
+                         super_scales=halves(108).reshape(rows, supers))
+    elif type_name == "Q6_K":
         ql, qh = b[:, :128].reshape(n, 2, 2, 32), b[:, 128:192].reshape(n, 2, 1, 32)
         low = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
@@ -442,6 +563,9 @@ def _decode_blocks_reference(blocks, type_name: str, shape, dtype: torch.dtype =
         if qh is not None:
             q |= ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.int64) << 4
         values = q - (0 if minimums is not None else 2 ** (bits - 1))
+    if type_name == "IQ4_NL":  # the nibbles are the codebook indices: fewbits' codes as they are
+        codes = torch.from_numpy(values.reshape(-1) + 8)
+        return QuantizedTensor(scheme, shape, dtype, pack(codes.to(torch.uint8), bits, order=_PACK_ORDER), scales=scales)
     # the element codes of these integer values, packed as quantize() packs them
     v = torch.from_numpy(values.reshape(-1)).to(torch.float32)
     codes = encode(v, scheme.format).reshape(-1)

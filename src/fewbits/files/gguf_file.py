@@ -62,14 +62,17 @@ Deliberate differences from llama.cpp's convert_hf_to_gguf.py:
   and values is written only for llama (llama.cpp takes the head count for BERT).
 - general.file_type is `file_type=` (a recipe name such as "q4_k_m", or "f32"/"f16"/"bf16") or,
   without it, inferred from the tensors: the GGUF type of the most 2-D weights (Q4_K/Q5_K count
-  as Q4_K_M/Q5_K_M when Q6_K tensors are present, else as the _S mixes). llama.cpp writes the
+  as Q4_K_M/Q5_K_M when Q6_K tensors are present, else as the _S mixes; Q3_K as Q3_K_M with Q4_K
+  tensors, Q3_K_L with Q5_K ones, else Q3_K_S; Q2_K as llama.cpp's Q2_K mix with Q3_K tensors,
+  else Q2_K_S). llama.cpp writes the
   file type it was asked for; the value is informative for llama.cpp.
 - general.* descriptions (license, tags, base models, ...) and the sampling keys are not written:
   a config does not hold them; general.name is the basename of the config's name_or_path.
 
 gguf_recipe(name, config) -> {module name: scheme name or None}: which GGUF type each Linear and
 the token embedding gets, llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) rules:
-- uniform "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k": every tensor in that type,
+- uniform "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k": every
+  tensor in that type,
   as `llama-quantize --pure` (plain `llama-quantize Q4_0` also puts the output matrix, or the tied
   embedding, in Q6_K);
 - "q4_k_m", "q5_k_m": Q4_K / Q5_K, with attn_v and ffn_down in Q6_K on the layers
@@ -78,8 +81,16 @@ the token embedding gets, llama.cpp's `llama_tensor_get_type` (src/llama-quant.c
   file has no output.weight) in Q6_K, or in Q8_0 when its rows are not a multiple of 256;
 - "q4_k_s": Q4_K, with attn_v of the first 4 layers and ffn_down of the first eighth in Q5_K, the
   output (tied embedding) as above;
-- then llama.cpp's fallback for rows that are not a multiple of the block: Q4_K -> Q5_0,
-  Q5_K -> Q5_1, Q6_K -> Q8_0; a row that is not a multiple of 32 either stays in float (None).
+- "q3_k_s": Q3_K, the output as above; "q3_k_m": Q3_K with attn_v in Q5_K on the first 2 layers
+  and Q4_K after, ffn_down in Q5_K on the first sixteenth of the layers and Q4_K after,
+  attn_output in Q4_K; "q3_k_l": Q3_K with attn_v, ffn_down and attn_output in Q5_K;
+- "q2_k_m" (what llama-quantize calls Q2_K, file type MOSTLY_Q2_K; fewbits' "q2_k" is every
+  tensor in Q2_K): Q2_K with ffn_down and attn_output in Q3_K, attn_v in Q3_K (Q4_K when the
+  model has 4 or more query heads per key-value head); "q2_k_s": Q2_K with ffn_down of the first
+  eighth in Q4_K and attn_v in Q4_K at 4 or more query heads per key-value head;
+- then llama.cpp's fallback for rows that are not a multiple of the block: Q2_K, Q3_K -> Q4_0,
+  Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (the llama.cpp of llama-cpp-python 0.3.36; older ones
+  took IQ4_NL for Q2_K/Q3_K); a row that is not a multiple of 32 either stays in float (None).
 Differences: llama.cpp refuses a legacy type on rows that are not a multiple of 32 (no fallback is
 defined); here that tensor stays in float. The 70B-model, expert (MoE) and Falcon rules do not
 apply to these architectures and are not reproduced. BERT's pooler.dense is None (not written).
@@ -134,11 +145,12 @@ def _rotary_permuted(arch: str) -> bool:
 
 # the transformers class each GGUF decoder architecture is read as (Mistral's files are "llama": Llama)
 READ_CLASSES = {ARCHITECTURES[a]: a for a in reversed(DECODERS)}
-UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-MIXED_RECIPES = {"q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
+UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+MIXED_RECIPES = {"q2_k_s": "Q2_K", "q2_k_m": "Q2_K", "q3_k_s": "Q3_K", "q3_k_m": "Q3_K", "q3_k_l": "Q3_K", "q4_k_m": "Q4_K",
+                 "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
 RECIPES = UNIFORM_RECIPES + tuple(MIXED_RECIPES)
 # llama.cpp's tensor_type_fallback for rows that are not a multiple of the block
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _CHUNK_VALUES = 1 << 22  # values encoded at a time (encode_blocks' int64 intermediates: 32 MiB)
 
 
@@ -269,22 +281,55 @@ class RecipeChoice(typing.NamedTuple):
     row: int
 
 
-def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool) -> RecipeChoice:
+def _mix_rule(recipe: str, m: _Module, n_layers: int, gqa: float) -> tuple[str | None, str | None]:
+    """(the type, the rule's words) a llama.cpp mix gives attn_v, ffn_down or attn_output of
+    layer m.layer instead of its base type; (None, None) where no rule applies."""
+    i, cat = m.layer, m.category
+    if cat == "attn_v":
+        if recipe == "q2_k_m":
+            return ("Q4_K" if gqa >= 4 else "Q3_K"), f"{recipe}'s attn_v (grouped-query ratio {gqa:g})"
+        if recipe == "q2_k_s" and gqa >= 4:
+            return "Q4_K", f"{recipe}'s attn_v (grouped-query ratio {gqa:g})"
+        if recipe == "q3_k_m":
+            return ("Q5_K" if i < 2 else "Q4_K"), f"{recipe}'s more bits for attn_v"
+        if recipe == "q3_k_l":
+            return "Q5_K", f"{recipe}'s more bits for attn_v"
+        if recipe in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
+            return "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
+        if recipe == "q4_k_s" and i < 4:
+            return "Q5_K", f"{recipe}'s more bits for attn_v of the first 4 layers"
+    elif cat == "ffn_down":
+        if recipe == "q2_k_m":
+            return "Q3_K", f"{recipe}'s ffn_down"
+        if recipe == "q2_k_s" and i < n_layers // 8:
+            return "Q4_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
+        if recipe == "q3_k_m":
+            return ("Q5_K" if i < n_layers // 16 else "Q4_K"), f"{recipe}'s more bits for ffn_down"
+        if recipe == "q3_k_l":
+            return "Q5_K", f"{recipe}'s more bits for ffn_down"
+        if recipe in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
+            return "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
+        if recipe == "q4_k_s" and i < n_layers // 8:
+            return "Q5_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
+    elif cat == "attn_output":
+        more = {"q2_k_m": "Q3_K", "q3_k_m": "Q4_K", "q3_k_l": "Q5_K"}.get(recipe)
+        if more is not None:
+            return more, f"{recipe}'s more bits for attn_output"
+    return None, None
+
+
+def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool, gqa: float = 1.0) -> RecipeChoice:
     rule = None
     if recipe in UNIFORM_RECIPES:
         t = recipe.upper()
     else:
-        base = MIXED_RECIPES[recipe]
-        t = base
+        t = MIXED_RECIPES[recipe]
         if m.category == "output" or (m.category == "token_embd" and tied):
             t, rule = "Q6_K", f"{recipe}'s output layer"  # llama.cpp: Q8_0 where the row does not fit Q6_K
-        elif m.category in ("attn_v", "ffn_down") and recipe in ("q4_k_m", "q5_k_m"):
-            if _use_more_bits(m.layer, n_layers):
-                t, rule = "Q6_K", f"{recipe}'s more bits for attn_v and ffn_down of some layers"
-        elif m.category == "attn_v" and recipe == "q4_k_s" and m.layer < 4:
-            t, rule = "Q5_K", f"{recipe}'s more bits for attn_v of the first 4 layers"
-        elif m.category == "ffn_down" and recipe == "q4_k_s" and m.layer < n_layers // 8:
-            t, rule = "Q5_K", f"{recipe}'s more bits for ffn_down of the first eighth of the layers"
+        else:
+            more, why = _mix_rule(recipe, m, n_layers, gqa)
+            if more is not None:
+                t, rule = more, why
     if m.row % _block(t):
         wanted, t = t, _FALLBACK.get(t)
         if t is not None and m.row % _block(t):
@@ -302,9 +347,8 @@ def _scheme_of(type_name: str) -> str:
 
 def gguf_recipe(name: str, config) -> dict[str, str | None]:
     """{module name: fewbits scheme name, or None for float} for llama.cpp's type recipe `name`
-    ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_k_s",
-    "q5_k_m") on a model with this config (LlamaForCausalLM or BertModel): every Linear and the
-    token embedding (for a tied model the embedding stands for the output too). See the module
+    (one of RECIPES: "q8_0", "q4_0", ..., "q3_k_m", "q4_k_m", ...) on a model with this config
+    (a decoder or BertModel): every Linear and the token embedding (for a tied model the embedding stands for the output too). See the module
     docstring for the rules and their differences from llama.cpp."""
     return {m: None if c.type is None else _scheme_of(c.type) for m, c in gguf_recipe_types(name, config).items()}
 
@@ -323,7 +367,8 @@ def gguf_recipe_types(name: str, config) -> dict[str, RecipeChoice]:
         if m.category == "pooler":
             out[m.name] = RecipeChoice(None, "BERT's pooler is not written", None, None, m.row)
         else:
-            out[m.name] = _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"])
+            gqa = d["num_attention_heads"] / d.get("num_key_value_heads", d["num_attention_heads"])
+            out[m.name] = _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"], gqa)
     return out
 
 
@@ -718,7 +763,10 @@ def _rope(cfg: dict) -> tuple[float, float | None]:
 
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
                "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
-               "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K",
+               "iq4_nl": "MOSTLY_IQ4_NL",
+               "q2_k": "MOSTLY_Q2_K_S", "q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S",
+               "q6_k": "MOSTLY_Q6_K", "q2_k_m": "MOSTLY_Q2_K", "q2_k_s": "MOSTLY_Q2_K_S", "q3_k_s": "MOSTLY_Q3_K_S", "q3_k_m": "MOSTLY_Q3_K_M",
+               "q3_k_l": "MOSTLY_Q3_K_L",
                "q4_k_m": "MOSTLY_Q4_K_M", "q4_k_s": "MOSTLY_Q4_K_S", "q5_k_m": "MOSTLY_Q5_K_M",
                "q5_k_s": "MOSTLY_Q5_K_S"}
 
@@ -738,6 +786,10 @@ def _file_type(file_type, entries: list[_Entry]) -> int:
     top = quant.most_common(1)[0][0]
     if top in ("Q4_K", "Q5_K"):
         key = top.lower() + ("_m" if "Q6_K" in quant else "_s")
+    elif top == "Q3_K":
+        key = "q3_k_m" if "Q4_K" in quant else "q3_k_l" if "Q5_K" in quant else "q3_k_s"
+    elif top == "Q2_K":
+        key = "q2_k_m" if "Q3_K" in quant else "q2_k_s"
     else:
         key = top.lower()
     return int(gguf.LlamaFileType[_FILE_TYPES[key]])

@@ -15,6 +15,9 @@ NF4_VALUES = (
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
+# llama.cpp's IQ4_NL / IQ4_XS codebook (kvalues_iq4nl, ggml-common.h): 16 integers, not symmetric,
+# denser near zero; a block scale multiplies them
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def float32(x: float) -> float:

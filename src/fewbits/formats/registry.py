@@ -9,7 +9,7 @@ import torch
 from .base import Format
 from .floats import FloatFormat
 from .integers import IntFormat
-from .lookup import NF4_VALUES, LookupFormat
+from .lookup import IQ4_NL_VALUES, NF4_VALUES, LookupFormat
 from .names import _ALIASES, _DESCRIPTIONS, _REGISTRY, normalize_name, register
 
 
@@ -51,6 +51,8 @@ _f("e8m0", 8, 0, ("fp8_e8m0", "e8m0fnu", "float8_e8m0fnu", "e8m0_scale"), bias=1
    description="OCP MX shared scale E8M0: unsigned powers of two 2^-127..2^127, NaN = 0xFF, no zero")
 register(LookupFormat("nf4", NF4_VALUES), ("normalfloat4", "nf4_bnb"),
          "QLoRA NormalFloat4 codebook (bitsandbytes), values in [-1, 1]")
+register(LookupFormat("iq4_nl", IQ4_NL_VALUES), ("iq4nl", "kvalues_iq4nl"),
+         "llama.cpp's IQ4_NL non-linear 4-bit codebook: integers -127..113, denser near 0")
 for _b in range(2, 9):
     register(IntFormat(_b, True), (f"int{_b}_t", f"i{_b}"), f"{_b}-bit signed integer (two's complement)")
     register(IntFormat(_b, False), (f"uint{_b}_t", f"u{_b}"), f"{_b}-bit unsigned integer")

@@ -22,7 +22,7 @@ from .scheme import QuantScheme
 # float minimums (make_qkx2_quants): iscale = (nmax + rmin + rdelta * i) / (max - min), i = 0..nstep,
 # (rmin, rdelta, nstep) by element width (Q4_K, Q5_K); symmetric (make_qx_quants):
 # iscale = -(nmax + 0.1 * i) / max, i = -9..9
-_FLOAT_MIN_SEARCH = {4: (-1.0, 0.1, 20), 5: (-0.5, 0.1, 15)}
+_FLOAT_MIN_SEARCH = {2: (-0.9, 0.05, 36), 4: (-1.0, 0.1, 20), 5: (-0.5, 0.1, 15)}
 _FLOAT_MIN_SEARCH_OTHER = (-1.0, 0.1, 20)
 _SYMMETRIC_STEPS = (0,) + tuple(i for i in range(-9, 10) if i)
 _SEARCH_VALUES = 1 << 20  # values searched at a time (the search works in float64)

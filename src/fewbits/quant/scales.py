@@ -33,12 +33,13 @@ import math
 
 import torch
 
-from ..formats import IntFormat, get_format, torch_dtype
+from ..formats import IntFormat, LookupFormat, get_format, torch_dtype
 from ..kernels import decode, encode, pack, round as fb_round, unpack
 from ..kernels.int8 import divide, reciprocal  # noqa: F401 - the scales' arithmetic, shared with int8 GEMMs
 from .kquant_search import (_float_min_params, _sqrt, _symmetric_params, group_params,  # noqa: F401 - names kept
                             group_params_reference, group_sum, refine_codes)
 from .kquant_search import refine_codes as _refine_codes  # noqa: F401 - the name kernels.native's notes use
+from .lookup_search import signed_lookup_scales
 from .scheme import DOUBLE_QUANT_BLOCK, QuantScheme, scale_format_of
 
 PACK_ORDER = "low_first"  # of every packed code: elements, zero points, sub-scale codes
@@ -243,7 +244,9 @@ class SymmetricScales(ScaleKind):
     squared error (each candidate quantized and dequantized with quantize()'s arithmetic); each
     rounded to the scale format. "gguf": llama.cpp's Q8_0 (d = amax / 127) or Q4_0 / Q5_0 (d = the
     value of largest magnitude, with its sign, / the lowest code), the elements then rounded by
-    the recipe (gguf_elements) under 1 / the unrounded d.
+    the recipe (gguf_elements) under 1 / the unrounded d; with a codebook (IQ4_NL), llama.cpp's
+    signed-scale search (lookup_search.signed_lookup_scales, weights x^2), the elements then
+    rounded to the nearest table entry under 1 / d rounded to the scale format.
     Under importance weights: GGUF's blocks (scale_method "gguf") search their signed scale as
     make_qx_quants does (kquant_search.group_params: the value of largest magnitude may take the
     lowest code), the other schemes their clipping ratio, each on the weighted squared error;
@@ -252,6 +255,10 @@ class SymmetricScales(ScaleKind):
     name = "symmetric"
 
     def choose(self, g, valid, scheme, tensor_scale=None, weights=None):
+        if scheme.scale_method == "gguf" and isinstance(scheme.format, LookupFormat):
+            d = signed_lookup_scales(g, valid, scheme.format, weights)
+            scale = round_scales(d.to(torch.float32), scheme.scale_format)
+            return Scaling(scale, reciprocal(scale))
         if weights is not None and scheme.scale_method == "gguf":
             scale = round_scales(group_params(g, valid, scheme, weights)[0].to(torch.float32), scheme.scale_format)
             return Scaling(scale, reciprocal(scale))

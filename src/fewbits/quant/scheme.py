@@ -160,9 +160,9 @@ class QuantScheme:
         if self.scale_method not in SCALE_METHODS:
             raise ValueError(f"scale_method must be one of {', '.join(SCALE_METHODS)}, got {self.scale_method!r}")
         if self.scale_method == "gguf":
-            if not isinstance(fmt, IntFormat) or g != "group":
-                raise ValueError("scale_method='gguf' (llama.cpp's block quantizers) takes an integer format "
-                                 f"in groups, got {fmt.name} with granularity {g!r}")
+            if not isinstance(fmt, (IntFormat, LookupFormat)) or g != "group":
+                raise ValueError("scale_method='gguf' (llama.cpp's block quantizers) takes an integer format or a "
+                                 f"codebook (IQ4_NL) in groups, got {fmt.name} with granularity {g!r}")
             if self.mode != "nearest_even" or self.double_quant:
                 raise ValueError("scale_method='gguf' rounds the elements as llama.cpp does and keeps its scales: "
                                  f"leave mode at nearest_even (got {self.mode!r}) and double_quant off")
@@ -471,10 +471,17 @@ def _presets() -> dict[str, QuantScheme]:
         S("int5", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="q5_0"),
         S("uint5", "group", group_size=32, symmetric=False, scale_format="fp16", zero_point="float",
           scale_method="gguf", name="q5_1"),
-        # GGUF's k-quants: super-blocks of 256 values with 6-bit (Q4_K, Q5_K: scales and minimums of
+        # GGUF's IQ4_NL: blocks of 32 of llama.cpp's non-linear 4-bit codebook under a signed fp16 scale
+        S("iq4_nl", "group", group_size=32, scale_format="fp16", scale_method="gguf", name="iq4_nl"),
+        # GGUF's k-quants: super-blocks of 256 values with 4-bit (Q2_K: scales and minimums of groups
+        # of 16), 6-bit (Q3_K: signed scales of groups of 16; Q4_K, Q5_K: scales and minimums of
         # groups of 32) or 8-bit (Q6_K: scales of groups of 16) sub-scales under fp16 super-block
         # scales; fewbits chooses the codes (a weighted least-squares scale search, or GPTQ) and
         # fewbits.files.gguf_blocks writes the blocks
+        S("uint2", "group", group_size=16, symmetric=False, zero_point="float", scale_format="fp16",
+          scale_method="mse", super_block=256, sub_scale_format="uint4", name="q2_k"),
+        S("int3", "group", group_size=16, scale_format="fp16", scale_method="mse", super_block=256,
+          sub_scale_format="int6", name="q3_k"),
         S("uint4", "group", group_size=32, symmetric=False, zero_point="float", scale_format="fp16",
           scale_method="mse", super_block=256, sub_scale_format="uint6", name="q4_k"),
         S("uint5", "group", group_size=32, symmetric=False, zero_point="float", scale_format="fp16",

@@ -291,3 +291,73 @@ void fb_kquant_refine(const float *x, int64_t count, int64_t groups, int32_t n, 
             refine_group(xg, vm, wg, n, float_min, lo_q, hi_q, de[gi], cs, dm, cm, best_s + gi, bm);
     }
 }
+
+/* The signed-scale search of a codebook block (GGUF's IQ4_NL; fewbits.quant.lookup_search,
+ * signed_lookup_scales_reference is the definition): per group, for each candidate inverse scale
+ * cands[i] / peak (peak: the first value of largest magnitude, with its sign), every value to
+ * the nearest table entry (ties to the larger: the count of midpoints <= x * inverse), the
+ * weighted least-squares scale sum(w q x) / sum(w q^2) and its merit scale * sum(w q x); the
+ * first candidate is taken, a later one where its merit is larger. Weights: x^2 or given; 0 on
+ * padding, where x reads as 0. A group whose largest magnitude is below 1e-15 gets 0. */
+#define FB_LOOKUP_MAX 16
+
+static inline __attribute__((always_inline)) double lookup_group(const float *xg, const uint8_t *vm,
+                                                                 const double *wg, int n, const double *table,
+                                                                 const double *mid, int nt, const double *cands,
+                                                                 int ncand) {
+    double xd[FB_KQ_MAX_N], w[FB_KQ_MAX_N], a[FB_KQ_MAX_N], b[FB_KQ_MAX_N];
+    for (int k = 0; k < n; k++) {
+        const int pad = vm && !vm[k];
+        xd[k] = pad ? 0.0 : (double)xg[k];
+        w[k] = pad ? 0.0 : (wg ? wg[k] : xd[k] * xd[k]);
+    }
+    double amax = -1.0, peak = 0.0;
+    for (int k = 0; k < n; k++) {
+        const double v = fabs(xd[k]);
+        if (v > amax) {
+            amax = v;
+            peak = xd[k];
+        }
+    }
+    const int empty = fabs(peak) < 1e-15;
+    const double safe = empty ? 1.0 : peak;
+    double scale = 0.0, best = 0.0;
+    for (int i = 0; i < ncand; i++) {
+        const double inv = cands[i] / safe;
+        for (int k = 0; k < n; k++) {
+            const double y = xd[k] * inv;
+            int idx = 0;
+            for (int j = 0; j < nt - 1; j++) idx += y >= mid[j];
+            const double q = table[idx];
+            const double wq = w[k] * q;
+            a[k] = wq * xd[k];
+            b[k] = wq * q;
+        }
+        const double sqx = tree_sum(a, n), sq2 = tree_sum(b, n);
+        const int ok = sq2 > 0;
+        const double s = ok ? sqx / sq2 : 0.0;
+        const double merit = s * sqx;
+        if (i == 0 || (ok && merit > best)) {
+            scale = s;
+            best = merit;
+        }
+    }
+    return empty ? 0.0 : scale;
+}
+
+void fb_lookup_signed(const float *x, int64_t count, int64_t groups, int32_t n, const uint8_t *valid,
+                      const double *wts, const double *table, int32_t nt, const double *cands, int32_t ncand,
+                      double *scale) {
+    double mid[FB_LOOKUP_MAX];
+    for (int j = 0; j < nt - 1; j++) mid[j] = (table[j + 1] + table[j]) / 2;
+#pragma omp parallel for schedule(static) if (count >= 256)
+    for (int64_t gi = 0; gi < count; gi++) {
+        const float *xg = x + gi * (int64_t)n;
+        const uint8_t *vm = valid ? valid + (gi % groups) * n : 0;
+        const double *wg = wts ? wts + gi * (int64_t)n : 0;
+        if (n == 32)
+            scale[gi] = lookup_group(xg, vm, wg, 32, table, mid, nt, cands, ncand);
+        else
+            scale[gi] = lookup_group(xg, vm, wg, n, table, mid, nt, cands, ncand);
+    }
+}

@@ -23,7 +23,8 @@ from .int8mm import (
 from .int8w import Int8Weight, declare_int8w, int8w_rc
 from .introw import IntRowWeight, TwoLevel, declare_introw, introw_rc, introw_supported, introw_vector
 from .kquant import (
-    KQUANT_MAX_GROUP, declare_kquant, kquant_float_min, kquant_refine, kquant_supported, kquant_symmetric,
+    KQUANT_MAX_GROUP, LOOKUP_MAX_TABLE, declare_kquant, kquant_float_min, kquant_refine, kquant_supported,
+    kquant_symmetric, lookup_signed,
 )
 from .loader import (
     CFLAGS, DIGEST_SUFFIX, HEADERS, LIBRARY_DIR, OPENMP_FLAGS, SOURCE_DIR, SOURCES, STALE_BUILD_S, cache_dir,
@@ -42,7 +43,8 @@ __all__ = [
     "amx_int8_gemm", "amx_int8_ready", "amx_pack", "amx_w8a8_ready", "cache_dir", "check_rc", "cpu_flags",
     "declare_decode", "declare_int8mm", "declare_int8w", "declare_introw", "declare_kquant", "declare_lut4", "declare_round32",
     "declare_rowquant", "declare_w4a8", "decode_heads_ok", "function_address", "int8_rows_bf16", "int8w_rc", "introw_rc", "introw_supported", "introw_vector",
-    "kquant_float_min", "kquant_refine", "kquant_supported", "kquant_symmetric", "library", "lut4_rc",
+    "kquant_float_min", "kquant_refine", "kquant_supported", "kquant_symmetric", "library", "lookup_signed",
+    "LOOKUP_MAX_TABLE", "lut4_rc",
     "lut4_supported", "q8_bf16", "quantize_rows_int8", "rc_check", "reset", "round_float_f32", "round_lut_f32",
     "round_lut_sr_f32", "row_absmax", "row_int8_scales", "scale_rows_", "status", "tiles", "tiles_kind",
     "turned_off", "vnni_w8a8_ready", "w4a8_dequantized_x", "w4a8_row_rc", "w8a8_amx_row_rc",

@@ -1,5 +1,6 @@
 """Bindings of kquant.c: the k-quants' scale searches (float minimum, symmetric, and the
-refinement of sub-scale codes), as fewbits.quant.scales defines them."""
+refinement of sub-scale codes), as fewbits.quant.scales defines them, and the signed-scale search
+of a codebook block (IQ4_NL, fewbits.quant.lookup_search)."""
 from __future__ import annotations
 
 import ctypes
@@ -19,6 +20,27 @@ def declare_kquant(lib: ctypes.CDLL) -> None:
     lib.fb_kquant_symmetric.restype = None
     lib.fb_kquant_refine.argtypes = [p, i64, i64, i32, p, p, i32, d, d, p, p, p, p, p, p, p, p]
     lib.fb_kquant_refine.restype = None
+    lib.fb_lookup_signed.argtypes = [p, i64, i64, i32, p, p, p, i32, p, i32, p]
+    lib.fb_lookup_signed.restype = None
+
+
+LOOKUP_MAX_TABLE = 16  # kquant.c's largest codebook
+
+
+def lookup_signed(lib, g: torch.Tensor, valid, table, candidates, weights=None) -> torch.Tensor:
+    """The signed scale float64 [rows, groups] of a codebook block's search
+    (fewbits.quant.lookup_search.signed_lookup_scales_reference): table: the codebook's values
+    ascending (at most 16); candidates: the constants c of the candidate inverse scales
+    c / (the value of largest magnitude); weights: as kquant_float_min's."""
+    g, mask, count, groups, n = _kquant_args(g, valid)
+    w = _given_weights(g, weights)
+    t, cands = _f64(table), _f64(candidates)
+    if not 2 <= t.numel() <= LOOKUP_MAX_TABLE:
+        raise ValueError(f"lookup_signed takes a codebook of 2 to {LOOKUP_MAX_TABLE} values, got {t.numel()}")
+    scale = torch.empty(g.shape[:2], dtype=torch.float64)
+    lib.fb_lookup_signed(g.data_ptr(), count, groups, n, _ptr(mask), _ptr(w), t.data_ptr(), t.numel(),
+                         cands.data_ptr(), cands.numel(), scale.data_ptr())
+    return scale
 
 
 def kquant_supported(g: torch.Tensor, valid) -> bool:
