@@ -11,7 +11,8 @@ F32 GGUF by fewbits' write_gguf, then quantized by llama.cpp's `llama-quantize` 
 its own mixes (Q4_K_M: Q4_K and Q6_K, with llama.cpp's fallbacks where a row of 576 is not a
 multiple of 256: Q5_0 / Q8_0). With --makers fewbits, also the file `fewbits quantize smollm2
 --scheme TYPE --format gguf` writes (types fewbits writes: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k,
-q5_k, q6_k). The files are kept in --work.
+q5_k, q6_k, iq4_nl, and the q3_k_m / q2_k_m mixes). On SmolLM2 (rows of 576) Q2_K and Q3_K fall
+back to Q4_0 except in ffn_down: their rows measure that mix, not a pure 2-3 bit file. The files are kept in --work.
 
 With --own w4a8,int4: fewbits' own schemes on SmolLM2 (quantized in memory, the head too), each
 against llama-bench on llama.cpp's Q4_0 file (the row's llama-bench column).
@@ -43,10 +44,12 @@ sys.path.insert(0, HERE)
 
 # llama-quantize's type names
 LLAMA_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q8_0": "Q8_0",
-               "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+               "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL", "q3_k_m": "Q3_K_M",
+               "q2_k": "Q2_K"}
 # fewbits' schemes for the same types (--makers fewbits)
 FEWBITS_SCHEMES = {"q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "q8_0": "q8_0",
-                   "q4_k_m": "q4_k", "q5_k_m": "q5_k", "q6_k": "q6_k"}
+                   "q4_k_m": "q4_k", "q5_k_m": "q5_k", "q6_k": "q6_k", "iq4_nl": "iq4_nl", "q3_k_m": "q3_k_m",
+                   "q2_k": "q2_k_m"}
 
 
 def log(*a):

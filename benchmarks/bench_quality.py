@@ -240,6 +240,8 @@ def main(argv=None) -> int:
                    help="first move SmolLM2 off its Q4_1 grid with STEPS steps of fp32 fine-tuning (see above)")
     p.add_argument("--finetune-lr", type=float, default=1e-3, help="the fine-tune's learning rate (default 1e-3)")
     p.add_argument("--table", metavar="JSON", help="only print the table of a saved --json result (a run stopped early)")
+    p.add_argument("--no-llama", action="store_true", help="only fewbits' files (llama.cpp's rows of the same "
+                   "types and calibration: an earlier run's --json)")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:
@@ -288,7 +290,8 @@ def main(argv=None) -> int:
 
     for t in types:
         ltype, pure, scheme = TYPES[t]
-        makers = [("llama.cpp", None), ("llama.cpp + imatrix", imatrix)] + [(f"fewbits {m}", m) for m in methods]
+        makers = [] if args.no_llama else [("llama.cpp", None), ("llama.cpp + imatrix", imatrix)]
+        makers += [(f"fewbits {m}", m) for m in methods]
         ref_types = None
         for maker, how in makers:
             path = os.path.join(args.work, f"{tag}-{t}-{maker.replace(' ', '_').replace('+', 'plus')}.gguf")
@@ -338,7 +341,7 @@ def print_table(result: dict) -> None:
     print("| type | maker | tensor types | bits/param | PPL | KLD | KLD 99% | same top % | KLD vs llama.cpp + imatrix |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ratio = r["kld"] / best[r["type"]] if best.get(r["type"]) else float("nan")
+        ratio = r["kld"] / best[r["type"]] if best.get(r["type"]) else float("nan")  # nan: no llama.cpp row
         print(f"| {r['type']} | {r['maker']} | {r['tensor_types']}{'' if r['types_match'] else ' (DIFFER)'} | "
               f"{r['bits_per_param']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['kld99']:.3f} | {r['same_top']:.2f} | "
               f"{ratio:.2f}x |")

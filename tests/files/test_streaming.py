@@ -91,22 +91,28 @@ def test_streamed_k_quants_and_an_untied_head_after_the_blocks(llama_untied, tmp
     assert "lm_head" in json.loads((tmp_path / "streamed" / "config.json").read_text())["quantization_config"]["modules"]
 
 
-def test_streamed_imatrix_weighs_a_tied_embedding_by_its_heads_input(llama, tmp_path):
+@pytest.mark.parametrize("method", ["imatrix", "gptq"])
+def test_streamed_imatrix_and_gptq_weigh_a_tied_embedding_by_its_heads_input(llama, tmp_path, method):
     """A tied embedding (GGUF's token_embd, llama.cpp's output head too) is weighed by the head's
     input: streamed, the head runs on the loaded embedding after the blocks; the result equals
-    the in-memory one, differs from plain RTN's, and the output stays tied."""
+    the in-memory one, differs from plain RTN's, and the output stays tied. GPTQ rounds it as
+    imatrix does (one float pass first; the embedding has no Hessian of its own)."""
     rules = {"model.embed_tokens": "q4_0", "model.layers.*": "q4_0"}  # as the GGUF recipes: no lm_head rule
     calibration = _calibration()
     kw = {"embeddings": True, "tied": "untie"}
-    quantize_pretrained(llama, tmp_path / "streamed", rules, method="imatrix", calibration=calibration,
+    quantize_pretrained(llama, tmp_path / "streamed", rules, method=method, calibration=calibration,
                         dtype=torch.float32, **kw)
-    _in_memory(llama, tmp_path / "memory", rules, "imatrix", calibration, **kw)
+    _in_memory(llama, tmp_path / "memory", rules, method, calibration, **kw)
     assert_same_directories(tmp_path / "streamed", tmp_path / "memory")
     quantize_pretrained(llama, tmp_path / "rtn", rules, dtype=torch.float32, **kw)
     weighted, plain = read_tensors(tmp_path / "streamed"), read_tensors(tmp_path / "rtn")
     assert "model.embed_tokens.weight" in weighted and "lm_head.weight" not in weighted
     assert not _same(weighted["model.embed_tokens.weight"], plain["model.embed_tokens.weight"])
     assert json.loads((tmp_path / "streamed" / "config.json").read_text()).get("tie_word_embeddings", True)
+    if method == "gptq":
+        quantize_pretrained(llama, tmp_path / "imatrix", rules, method="imatrix", calibration=calibration,
+                            dtype=torch.float32, **kw)
+        assert _same(weighted["model.embed_tokens.weight"], read_tensors(tmp_path / "imatrix")["model.embed_tokens.weight"])
 
 
 def test_the_output_loads_and_keeps_the_source_dtype(llama, tmp_path):

@@ -14,6 +14,7 @@ from torch import nn
 import fewbits as fb
 from fewbits.formats import IntFormat
 from fewbits.quant import QuantScheme, get_scheme, quantize
+from fewbits.quant.importance import damped
 from fewbits.quant.tensor import takes_importance
 from fewbits.quant import gptq as G
 from fewbits.quant.gptq import (collect_hessians, gptq_quantize_model, gptq_quantize_weight, gptq_solve,
@@ -96,7 +97,7 @@ def test_blocked_algorithm_matches_the_reference(scheme):
     W, H = weight(), hessian(inputs(512, COLS, 0))
     ref = reference_gptq(W, H, scheme)
     for block_size in (1, 32, 128):  # the reference chooses its scales as quantize() does
-        got = gptq_solve(W, H, scheme, block_size=block_size, weighted_scales=False).dequantized
+        got = gptq_solve(W, H, scheme, block_size=block_size, weighted_scales=False, shrink=0.0).dequantized
         # float32 blocked updates against float64 column updates: the updated weights, hence the
         # dynamic group scales, differ in their last bits, so compare grid points, not bits (a
         # near-tie could still land on the neighbouring point: allow a few)
@@ -302,7 +303,7 @@ def test_a_layer_without_input_is_rounded_to_nearest():
 def test_singular_hessian_is_damped_until_it_factorises():
     X = inputs(16, COLS, 5)  # 16 samples of 128 features: rank 16
     W, H = weight(), hessian(X)
-    r = gptq_solve(W, H, "int4_g32", damp=0.0)
+    r = gptq_solve(W, H, "int4_g32", damp=0.0, shrink=0.0)  # (shrinking toward the diagonal would factorise it)
     assert r.damp > 0
     assert torch.isfinite(r.dequantized).all()
     assert torch.equal(r.qtensor.dequantize(torch.float32), r.dequantized)
@@ -316,6 +317,8 @@ def test_singular_hessian_is_damped_until_it_factorises():
     (lambda W, H: gptq_quantize_weight(W, -H, "int4"), ValueError, "negative diagonal"),
     (lambda W, H: gptq_quantize_weight(W.int(), H, "int4"), TypeError, "float"),
     (lambda W, H: gptq_quantize_weight(W, H, "int4", block_size=0), ValueError, "block_size"),
+    (lambda W, H: gptq_quantize_weight(W, H, "int4", shrink=1.5), ValueError, "shrink must be a number in"),
+    (lambda W, H: gptq_quantize_weight(W, H, "int4", shrink=True), ValueError, "shrink must be a number in"),
     (lambda W, H: gptq_quantize_weight(W, H, "int4", damp=-1), ValueError, "damp"),
     (lambda W, H: gptq_quantize_weight(W, H, QuantScheme("int4", "channel", axis=1)), ValueError, "axis"),
     (lambda W, H: gptq_quantize_weight(W, H, "int5_g7"), ValueError, "unknown quantization scheme"),
@@ -566,3 +569,20 @@ def test_gptq_beats_rtn_on_minilm(scheme):
     rtn_err = cosine_error({n: quantize(model.get_submodule(n).weight.detach(), s) for n, s in plan.items()})
     gptq_err = cosine_error(gptq_quantize_model(model, plan, calibration))
     assert gptq_err < 0.7 * rtn_err, (gptq_err, rtn_err)
+
+
+def test_shrink_blends_toward_the_diagonal_and_leaves_the_callers_hessian():
+    X = inputs(512, COLS, 7)
+    W, H = weight(), hessian(X)
+    before = H.clone()
+    half = gptq_solve(W, H, "int4_g32", shrink=0.5).dequantized
+    assert torch.equal(H, before)  # not modified in place (float64 in: no copy by .to())
+    manual = 0.5 * H + 0.5 * torch.diag(H.diagonal())
+    assert torch.equal(half, gptq_solve(W, manual, "int4_g32", shrink=0.0).dequantized)
+    # shrink 1: a diagonal Hessian spreads no error: importance-weighted rounding itself (with
+    # static groups: dynamic ones weigh each group's values by its own slice's mean square)
+    full = gptq_solve(W, H, "int4_g32", shrink=1.0, static_groups=True).dequantized
+    importance = damped(H.diagonal())
+    assert torch.equal(full, quantize(W, "int4_g32", importance=importance).dequantize(torch.float32))
+    plain = gptq_solve(W, H, "int4_g32", shrink=0.0).dequantized
+    assert output_error(X, W, plain) < output_error(X, W, half)  # in-sample, plain GPTQ fits closest

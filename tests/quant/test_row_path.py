@@ -15,7 +15,7 @@ from fewbits.quant.modules import QuantLinear
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the native library")
 
-SCHEMES = ["nf4", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4", "w4a8", "int8", "int8_tensor"]
+SCHEMES = ["nf4", "iq4_nl", "int4", "nvfp4", "mxfp4", "q4_0", "q4_1", "fp4", "w4a8", "int8", "int8_tensor"]
 
 
 def _layer(scheme: str, n: int = 96, k: int = 320, bias: bool = False, seed: int = 0) -> QuantLinear:

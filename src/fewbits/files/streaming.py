@@ -14,8 +14,9 @@ written as they fill (fewbits.files.hf_dir.ShardWriter):
   run on them with importance hooks and unloaded again); then every tensor is read and quantized
   as "rtn" does, under its layer's importance. The result equals quantize_model(method="imatrix")
   in memory. Peak memory: GPTQ's without its Hessians.
-- "gptq": the tensors outside the repeated blocks (embeddings, final norm, an untied head) are
-  loaded in the working dtype; the calibration inputs of the first block are captured; then
+- "gptq": a token embedding tied to the output head first gets its head's input importance
+  from one streamed pass as "imatrix" (it is rounded under it, as in memory); the tensors
+  outside the repeated blocks (embeddings, final norm, an untied head) are loaded in the working dtype; the calibration inputs of the first block are captured; then
   each block is loaded, its layers quantized group by group with the GPTQ of
   fewbits.quant.gptq (the same functions and order as gptq_quantize_model's block-by-block
   path, so the result equals in-memory quantization bit for bit), the block's output computed
@@ -43,8 +44,9 @@ from torch import nn
 
 from ..model_building import building, parameters_on_meta
 from ..progress import counter
+from ..quant.gptq import DAMP as GPTQ_DAMP
 from ..quant.gptq import (
-    WEIGHTED_SCALES, _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block,
+    SHRINK, WEIGHTED_SCALES, _Discovery, check_options, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block,
     capture_block_inputs,
 )
 from ..quant.importance import DAMP, ImportanceHooks, importance_sources
@@ -304,7 +306,16 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
             importance = _stream_importance(model, tensors, names, plan, batches, gptq_options.get("damp", DAMP))
             _stream_rtn(tensors, names, plan, out_dtype, emit, report, importance)
         else:
-            _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, gptq_options)
+            embedding_importance = {}
+            if gptq_options.get("weighted_scales", WEIGHTED_SCALES) and any(
+                    e != h for e, h in importance_sources(model, plan).items()):
+                # a tied embedding is rounded under its head's input importance, as in memory
+                # (gptq.tied_embedding_importance): one streamed pass of the float model first
+                measured = _stream_importance(model, tensors, names, plan, batches, DAMP)
+                embedding_importance = {n: measured[n] for n in plan
+                                        if n in measured and not isinstance(model.get_submodule(n), nn.Linear)}
+            _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, gptq_options,
+                         embedding_importance)
         writer.finish(_output_config(config, model, names, plan),
                       tokenizer=tokenizer if tokenizer is not None else tokenizer_files(source))
     except BaseException:
@@ -447,7 +458,8 @@ def _split_by_block(model, linear, names, method: str):
     return blocks, block_of, in_block, outside
 
 
-def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options) -> None:
+def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options,
+                 embedding_importance=None) -> None:
     linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)]
     blocks, block_of, in_block, outside = _split_by_block(model, linear, names, "GPTQ")
     # an embedding that stays in float is looked up in the source's dtype and its rows cast to
@@ -458,18 +470,20 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     _load(model, lookups, tensors, None, plan)
     hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
     options = {k: v for k, v in options.items()
-               if k in ("block_size", "damp", "act_order", "static_groups", "weighted_scales")}
-    full = {"block_size": 128, "damp": 0.01, "act_order": False, "static_groups": None,
-            "weighted_scales": WEIGHTED_SCALES, **options}
+               if k in ("block_size", "damp", "act_order", "static_groups", "weighted_scales", "shrink")}
+    full = {"block_size": 128, "damp": GPTQ_DAMP, "act_order": False, "static_groups": None,
+            "weighted_scales": WEIGHTED_SCALES, "shrink": SHRINK, **options}
+    check_options(full["block_size"], full["damp"], full["shrink"])
     modules = {n: model.get_submodule(n) for n in linear}
     run = _SequentialGPTQ(model, plan, batches, modules, full, report)
     done_names = set()
     # planned layers outside the blocks, before them, cannot be streamed (nothing in the usual
-    # layouts: an embedding is rounded to nearest, as in memory)
+    # layouts: an embedding is rounded to nearest, as in memory, a tied one under its head's importance)
     for name in plan:
         if name not in modules:
             with torch.no_grad():
-                run.results[name] = quantize(run.weight_of(name), plan[name])
+                run.results[name] = quantize(run.weight_of(name), plan[name],
+                                             importance=(embedding_importance or {}).get(name))
             run.swap_in(name)
             run.done += 1
             report(run.done, name)
