@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 from transformers import BertConfig, LlamaConfig  # noqa: E402
 
-LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
-K_QUANTS = ["q4_k", "q5_k", "q6_k"]
+LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+K_QUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def _have_k_quants() -> bool:
