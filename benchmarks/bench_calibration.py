@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--finetune", type=int, default=0, metavar="STEPS")
     p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--tools")
-    p.add_argument("--work", default=None, help="default: bench_quality's work directory (its cached files)")
+    p.add_argument("--work", default=None, help="default: ~/.cache/fewbits/bench-quality, or bench-quality-ft with "
+                   "--finetune (the directories the README's runs of bench_quality used: their cached files)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)

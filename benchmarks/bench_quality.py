@@ -240,8 +240,9 @@ def main(argv=None) -> int:
                    help="first move SmolLM2 off its Q4_1 grid with STEPS steps of fp32 fine-tuning (see above)")
     p.add_argument("--finetune-lr", type=float, default=1e-3, help="the fine-tune's learning rate (default 1e-3)")
     p.add_argument("--table", metavar="JSON", help="only print the table of a saved --json result (a run stopped early)")
-    p.add_argument("--no-llama", action="store_true", help="only fewbits' files (llama.cpp's rows of the same "
-                   "types and calibration: an earlier run's --json)")
+    p.add_argument("--no-llama", action="store_true", help="only fewbits' files (no llama-quantize files: the "
+                   "ratio column is empty and the tensor types are checked among fewbits' files only; llama.cpp's "
+                   "rows of the same types come from a run without it)")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:

@@ -551,6 +551,21 @@ def test_recipe_low_bit_k_mixes():
     assert gguf_recipe("q2_k", smollm2_like())["model.layers.0.mlp.down_proj"] == "q2_k"  # rows of 1536
 
 
+def test_file_type_inferred_for_the_low_bit_mixes():
+    def entries(**types):
+        return [gguf_file._Entry(f"t{i}", f"t{i}", (32, 32), t, True, 0, None)
+                for t, n in types.items() for i in range(n)]
+
+    ft = gguf.LlamaFileType
+    assert gguf_file._file_type(None, entries(Q3_K=5, Q4_K=2, Q5_K=1)) == ft.MOSTLY_Q3_K_M
+    assert gguf_file._file_type(None, entries(Q3_K=5, Q5_K=2)) == ft.MOSTLY_Q3_K_L
+    assert gguf_file._file_type(None, entries(Q3_K=5, Q6_K=1)) == ft.MOSTLY_Q3_K_S
+    assert gguf_file._file_type(None, entries(Q2_K=5, Q3_K=2)) == ft.MOSTLY_Q2_K
+    assert gguf_file._file_type(None, entries(Q2_K=5, Q4_K=1)) == ft.MOSTLY_Q2_K_S
+    assert gguf_file._file_type(None, entries(IQ4_NL=3)) == ft.MOSTLY_IQ4_NL
+    assert gguf_file._file_type("q2_k_m", []) == ft.MOSTLY_Q2_K  # llama-quantize's Q2_K mix
+
+
 @needs_k
 def test_recipe_bert_minilm():
     cfg = bert_config(vocab=30522, hidden=384, inter=1536, layers=6)

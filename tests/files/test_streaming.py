@@ -154,6 +154,12 @@ def test_bad_sources_are_clear_errors_and_leave_nothing(llama, tmp_path):
         quantize_pretrained(llama, tmp_path / "out", "int8", method="gptq")
     with pytest.raises(ValueError, match="method must be"):
         quantize_pretrained(llama, tmp_path / "out", "int8", method="awq")
+    # GPTQ's options are checked before the calibration passes start (a tied embedding first
+    # costs a whole streamed pass)
+    with pytest.raises(ValueError, match="shrink must be a number in"):
+        quantize_pretrained(llama, tmp_path / "out", "int8", method="gptq", calibration=[object()], shrink=2)
+    with pytest.raises(TypeError, match="unexpected options for gptq: shrinkage"):
+        quantize_pretrained(llama, tmp_path / "out", "int8", method="gptq", calibration=[object()], shrinkage=0.3)
     assert not os.path.exists(tmp_path / "out")
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError):

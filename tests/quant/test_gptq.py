@@ -137,7 +137,7 @@ def test_gptq_beats_rtn_on_held_out_inputs(scheme):
 SCHEMES = [
     "int4", "int4_asym", "int4_g32", "int4_asym_g32", "int4_channel", "int3", "int2", "int8", "int8_asym",
     "nf4", "nf4_dq", "fp4", "fp8", "fp8_channel", "fp8_e5m2", "mxfp4", "mxfp6", "mxfp8", "nvfp4", "bf16",
-    "w8a8",
+    "w8a8", "iq4_nl", "q3_k", "q2_k",
     QuantScheme("int4", "group", group_size=32, scale_format="fp16"),
     QuantScheme("int4", "group", group_size=32, scale_format="bf16", scale_method="mse"),
     QuantScheme("uint4", "group", group_size=32, symmetric=False, scale_method="percentile", percentile=99.0),

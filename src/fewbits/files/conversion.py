@@ -4,7 +4,7 @@ formats, streamed from disk (fewbits.files.streaming):
 - "hf": a Hugging Face directory with a fewbits quantization_config (fb.from_pretrained, and
   transformers' from_pretrained once fewbits is imported, load it);
 - "gguf": one GGUF file for llama.cpp (and transformers' gguf_file=): every planned scheme must
-  be a GGUF block type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k), checked before any work;
+  be a GGUF block type (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k ... q6_k), checked before any work;
 - "compressed-tensors": a Hugging Face directory in compressed-tensors' format, which vLLM,
   SGLang and transformers (with the compressed-tensors package) load; every planned scheme must
   have an exact compressed-tensors form (fewbits.files.compressed_tensors), checked before any

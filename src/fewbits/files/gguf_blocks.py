@@ -12,8 +12,9 @@ reads (ggml-common.h), little-endian:
 
 Byte j of the nibbles holds element j in its low nibble and element j + 16 in its high one; in
 Q5_*, bit i of qh is bit 4 of element i. The presets quantize as `gguf.quants.quantize` does
-(scale_method "gguf"; IQ4_NL, which gguf only dequantizes, by llama.cpp's signed-scale search,
-fewbits.quant.lookup_search), so these bytes equal the gguf package's own, and `gguf.quants.dequantize`
+(scale_method "gguf"), so these bytes equal the gguf package's own (IQ4_NL, which gguf only
+dequantizes: fewbits chooses the codes by llama.cpp's signed-scale search,
+fewbits.quant.lookup_search), and `gguf.quants.dequantize`
 of them equals QuantizedTensor.dequantize() bit for bit; decode_blocks reads such bytes back
 into a QuantizedTensor. Needs no gguf package.
 
@@ -110,14 +111,15 @@ def _halves(t: torch.Tensor) -> np.ndarray:
 
 
 def encode_blocks(qt: QuantizedTensor) -> np.ndarray:
-    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / q2_k / q3_k /
-    q4_k / q5_k / q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
+    """The GGUF block bytes of a QuantizedTensor in q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / iq4_nl / q2_k /
+    q3_k / q4_k / q5_k / q6_k: uint8 of shape (*shape[:-1], shape[-1] // block * bytes_per_block), as
     `gguf.quants.quantize` returns them (a GGUFWriter takes this array with raw_dtype = the GGML
     type). The last dimension must be a multiple of the block (32; 256 for the k-quants): GGUF
     blocks have no padding.
 
     Works on the packed codes as bytes (the fewbits codes of an integer format are the value's
-    two's complement bits, GGUF's are value + 2^(b-1): one XOR of the top bit; 4-bit codes are
+    two's complement bits, GGUF's are value + 2^(b-1): one XOR of the top bit; IQ4_NL's codebook
+    index is both; 4-bit codes are
     moved nibble by nibble without unpacking); _encode_blocks_reference, the plain version through
     integer values, gives the same bytes (tested)."""
     name, shape, block, type_size = _check_encodable(qt)

@@ -92,8 +92,10 @@ the token embedding gets, llama.cpp's `llama_tensor_get_type` (src/llama-quant.c
   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (the llama.cpp of llama-cpp-python 0.3.36; older ones
   took IQ4_NL for Q2_K/Q3_K); a row that is not a multiple of 32 either stays in float (None).
 Differences: llama.cpp refuses a legacy type on rows that are not a multiple of 32 (no fallback is
-defined); here that tensor stays in float. The 70B-model, expert (MoE) and Falcon rules do not
-apply to these architectures and are not reproduced. BERT's pooler.dense is None (not written).
+defined); here that tensor stays in float. The expert (MoE) and Falcon rules do not apply to these
+architectures; the 70B rule is not reproduced: llama.cpp raises attn_v from Q3_K or Q4_K to Q5_K
+on a model it types as 70B (80 layers: Llama with grouped-query attention, Qwen2), so on such a
+model fewbits' q2_k_s / q2_k_m / q3_k_s / q3_k_m / q4_k_s give attn_v another type than llama.cpp. BERT's pooler.dense is None (not written).
 For a tied model the embedding's entry is the one matrix llama.cpp uses for input and output.
 """
 from __future__ import annotations
@@ -272,7 +274,7 @@ class RecipeChoice(typing.NamedTuple):
     """One module's type under a llama.cpp recipe (gguf_recipe_types): the GGML type written (None:
     kept in float, or not written); the mix's rule that chose a type other than the recipe's own
     (None: no rule); the type the row length did not fit (None: it fitted) -- llama.cpp then falls
-    back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) or the tensor stays in float -- with that
+    back (Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) or the tensor stays in float -- with that
     type's block, and the row length."""
     type: str | None
     rule: str | None

@@ -2,7 +2,7 @@
 ever building its float weights: `fb.from_pretrained("model.gguf")`.
 
 read_gguf(path) gives the transformers config and a tensor mapping in Hugging Face names: every
-tensor in a GGUF block type fewbits has (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) becomes a
+tensor in a GGUF block type fewbits has (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K ... Q6_K) becomes a
 QuantizedTensor of the matching preset (fewbits.files.gguf_blocks.decode_blocks: its dequantize()
 equals gguf.quants.dequantize of the bytes, bit for bit), F32 / F16 / BF16 tensors float tensors
 of their own dtype; the q/k rows llama.cpp's converter permuted are put back in transformers' order

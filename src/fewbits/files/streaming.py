@@ -269,6 +269,8 @@ def quantize_pretrained(source, out, scheme_or_rules, *, method: str = "rtn", ca
         raise TypeError(f"unexpected options for rtn: {', '.join(gptq_options)}")
     if method == "imatrix" and set(gptq_options) - {"damp"}:
         raise TypeError(f"unexpected options for imatrix: {', '.join(sorted(set(gptq_options) - {'damp'}))}")
+    if method == "gptq":
+        gptq_options = _gptq_options(gptq_options)  # checked before any work
     source = os.fspath(source)
     config = _read_config(source)
     tensors = read_tensors(source)
@@ -458,6 +460,23 @@ def _split_by_block(model, linear, names, method: str):
     return blocks, block_of, in_block, outside
 
 
+_GPTQ_OPTIONS = ("block_size", "damp", "act_order", "static_groups", "weighted_scales", "shrink")
+
+
+def _gptq_options(options: Mapping) -> dict:
+    """Every GPTQ option with its default filled in, checked (a TypeError for an unknown one, as
+    gptq_quantize_model's, a ValueError for a bad value)."""
+    unknown = sorted(set(options) - set(_GPTQ_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected options for gptq: {', '.join(unknown)}; options: {', '.join(_GPTQ_OPTIONS)}")
+    full = {"block_size": 128, "damp": GPTQ_DAMP, "act_order": False, "static_groups": None,
+            "weighted_scales": WEIGHTED_SCALES, "shrink": SHRINK, **options}
+    check_options(full["block_size"], full["damp"], full["shrink"])
+    if not isinstance(full["act_order"], bool) or not (full["static_groups"] is None or isinstance(full["static_groups"], bool)):
+        raise TypeError("act_order must be a bool and static_groups a bool or None")
+    return full
+
+
 def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, options,
                  embedding_importance=None) -> None:
     linear = [n for n in plan if isinstance(model.get_submodule(n), nn.Linear)]
@@ -469,13 +488,8 @@ def _stream_gptq(model, tensors, names, plan, batches, out_dtype, emit, report, 
     _load(model, [n for n in outside if n not in lookups], tensors, torch.float32, plan)
     _load(model, lookups, tensors, None, plan)
     hooks = [model.get_submodule(n.rpartition(".")[0]).register_forward_hook(_as_float32) for n in lookups]
-    options = {k: v for k, v in options.items()
-               if k in ("block_size", "damp", "act_order", "static_groups", "weighted_scales", "shrink")}
-    full = {"block_size": 128, "damp": GPTQ_DAMP, "act_order": False, "static_groups": None,
-            "weighted_scales": WEIGHTED_SCALES, "shrink": SHRINK, **options}
-    check_options(full["block_size"], full["damp"], full["shrink"])
     modules = {n: model.get_submodule(n) for n in linear}
-    run = _SequentialGPTQ(model, plan, batches, modules, full, report)
+    run = _SequentialGPTQ(model, plan, batches, modules, _gptq_options(options), report)
     done_names = set()
     # planned layers outside the blocks, before them, cannot be streamed (nothing in the usual
     # layouts: an embedding is rounded to nearest, as in memory, a tied one under its head's importance)

@@ -1,5 +1,5 @@
 """The k-quant searches: each group's scale (and float minimum) of a super-block scheme (GGUF's
-Q4_K, Q5_K, Q6_K) before the two-level rounding, and the choice of its sub-scale codes around the
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) before the two-level rounding, and the choice of its sub-scale codes around the
 super-block scale, as llama.cpp's reference k-quant quantizers weigh the error (make_qkx2_quants,
 make_qx_quants).
 
@@ -18,9 +18,11 @@ import torch
 from ..kernels import native
 from .scheme import QuantScheme
 
-# the candidate scales of the searches, as llama.cpp's reference k-quant quantizers try them:
+# the candidate scales of the searches, as llama.cpp's k-quant quantizers try them:
 # float minimums (make_qkx2_quants): iscale = (nmax + rmin + rdelta * i) / (max - min), i = 0..nstep,
-# (rmin, rdelta, nstep) by element width (Q4_K, Q5_K); symmetric (make_qx_quants):
+# (rmin, rdelta, nstep) by element width (Q4_K, Q5_K: the reference quantizers'; Q2_K: its
+# importance-matrix quantizer's make_qkx3_quants range, the reference's being (-0.5, 0.1, 15) on
+# the absolute error); symmetric (make_qx_quants):
 # iscale = -(nmax + 0.1 * i) / max, i = -9..9
 _FLOAT_MIN_SEARCH = {2: (-0.9, 0.05, 36), 4: (-1.0, 0.1, 20), 5: (-0.5, 0.1, 15)}
 _FLOAT_MIN_SEARCH_OTHER = (-1.0, 0.1, 20)

@@ -8,7 +8,10 @@ the plain inverse scale 127 / max (max: the value of largest magnitude, with its
 weighted least-squares scale of that choice, d = sum(w q x) / sum(w q^2), scores
 sum(w q x)^2 / sum(w q^2) (the larger, the smaller the weighted error). The best d wins.
 Weights: x^2 (llama.cpp without an importance matrix), or the given importance weights
-(kquant_search.importance_weights: importance * sqrt(sigma^2 + x^2)).
+(kquant_search.importance_weights: importance * sqrt(sigma^2 + x^2), sigma^2 the row's mean
+square; llama.cpp's IQ4_NL takes twice the block's mean square there). The search assigns a tie
+between two table entries to the larger one (llama.cpp's best_index_int8); the elements written
+are then rounded by fewbits.round (a tie to the even code): the same error, another entry.
 
 Float64 over a group view [rows, groups, n], in C where the native library serves, else in torch
 (the reference; the two agree bit for bit, tests/quant/test_lookup_search.py). The caller

@@ -247,9 +247,10 @@ class SymmetricScales(ScaleKind):
     the recipe (gguf_elements) under 1 / the unrounded d; with a codebook (IQ4_NL), llama.cpp's
     signed-scale search (lookup_search.signed_lookup_scales, weights x^2), the elements then
     rounded to the nearest table entry under 1 / d rounded to the scale format.
-    Under importance weights: GGUF's blocks (scale_method "gguf") search their signed scale as
-    make_qx_quants does (kquant_search.group_params: the value of largest magnitude may take the
-    lowest code), the other schemes their clipping ratio, each on the weighted squared error;
+    Under importance weights: GGUF's integer blocks (scale_method "gguf") search their signed
+    scale as make_qx_quants does (kquant_search.group_params: the value of largest magnitude may
+    take the lowest code), IQ4_NL its signed scale by the same lookup search under those weights,
+    the other schemes their clipping ratio, each on the weighted squared error;
     the elements are then rounded to nearest under 1 / the scale rounded to its format."""
 
     name = "symmetric"
@@ -408,7 +409,7 @@ class FloatMinimumScales(ScaleKind):
 
 
 class SuperBlockScales(ScaleKind):
-    """Two-level scales in super-blocks (GGUF's k-quants Q4_K, Q5_K, Q6_K; see QuantScheme): each
+    """Two-level scales in super-blocks (GGUF's k-quants Q2_K ... Q6_K; see QuantScheme): each
     group's scale (and float minimum) by scale_method ("absmax": the group's plain range; "mse":
     the weighted least-squares search of kquant_search.group_params), then per super-block the
     scale d = the largest group scale / the largest sub-scale code (symmetric: the group scale of

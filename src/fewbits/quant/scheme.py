@@ -31,7 +31,8 @@ import difflib
 import math
 from dataclasses import dataclass
 
-from ..formats import MODE_PRESETS, FloatFormat, Format, IntFormat, LookupFormat, MODES, check_mode, get_format
+from ..formats import (IQ4_NL_VALUES, MODE_PRESETS, FloatFormat, Format, IntFormat, LookupFormat, MODES, check_mode,
+                       get_format)
 from ..formats import normalize_name
 
 GRANULARITIES = ("tensor", "channel", "group", "mx", "nvfp4")
@@ -79,7 +80,9 @@ class QuantScheme:
         unrounded d (0 where d is 0) and the minimum subtracted is the unrounded one; only d and
         the minimum are stored rounded to the scale format. The recipe rounds the elements
         itself, so mode stays nearest_even. Q4_0's d is negative where the largest magnitude is
-        positive.
+        positive. With the iq4_nl codebook (IQ4_NL, which gguf only dequantizes): llama.cpp's
+        signed-scale search (fewbits.quant.lookup_search), the elements then rounded to nearest
+        under d rounded to the scale format.
     mx_scale_mode: floor | ceil | even | rceil, as in torchao's MX casts (E8M0 scales only).
     mode: element rounding mode; stochastic rounding draws from `seed`. "bitsandbytes" (codebooks
         only; the nf4 presets use it) is bitsandbytes' NF4 rounding: float32 bucket bounds, ties
@@ -160,9 +163,10 @@ class QuantScheme:
         if self.scale_method not in SCALE_METHODS:
             raise ValueError(f"scale_method must be one of {', '.join(SCALE_METHODS)}, got {self.scale_method!r}")
         if self.scale_method == "gguf":
-            if not isinstance(fmt, (IntFormat, LookupFormat)) or g != "group":
-                raise ValueError("scale_method='gguf' (llama.cpp's block quantizers) takes an integer format or a "
-                                 f"codebook (IQ4_NL) in groups, got {fmt.name} with granularity {g!r}")
+            iq4_nl = isinstance(fmt, LookupFormat) and fmt.table == tuple(float(v) for v in IQ4_NL_VALUES)
+            if not (isinstance(fmt, IntFormat) or iq4_nl) or g != "group":
+                raise ValueError("scale_method='gguf' (llama.cpp's block quantizers) takes an integer format or "
+                                 f"the iq4_nl codebook in groups, got {fmt.name} with granularity {g!r}")
             if self.mode != "nearest_even" or self.double_quant:
                 raise ValueError("scale_method='gguf' rounds the elements as llama.cpp does and keeps its scales: "
                                  f"leave mode at nearest_even (got {self.mode!r}) and double_quant off")

@@ -1,6 +1,6 @@
 /* y = x @ W.T for a few rows of x (generation's decode step: one row) and a weight W [N, K] held
  * as integer codes of 2 to 8 bits with per-group parameters: GGUF's blocks as fewbits holds them
- * (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; Q4_0 and Q4_1 go through lut4.c), read as stored.
+ * (Q8_0, Q5_0, Q5_1, Q2_K ... Q6_K; Q4_0, Q4_1 and IQ4_NL go through lut4.c), read as stored.
  *
  *   W[n, k] = q[n, k] * s[n, g] + m[n, g]     (g = k / group; no m for symmetric formats)
  *

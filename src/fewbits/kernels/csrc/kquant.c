@@ -1,5 +1,6 @@
-/* The scale searches of GGUF's k-quants (Q4_K, Q5_K, Q6_K), group by group, for
- * fewbits.quant.scales (group_params and the floor/ceil choice of the sub-scale codes).
+/* The scale searches of GGUF's k-quants (Q2_K ... Q6_K), group by group, for
+ * fewbits.quant.scales (group_params and the floor/ceil choice of the sub-scale codes), and
+ * IQ4_NL's signed-scale search (fb_lookup_signed, at the end).
  *
  * C twins of the torch reference in fewbits/quant/scales.py (_float_min_params,
  * _symmetric_params, _refine_codes_reference; the Python there is the definition, the tests
