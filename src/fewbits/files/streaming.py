@@ -16,7 +16,8 @@ written as they fill (fewbits.files.hf_dir.ShardWriter):
   in memory. Peak memory: GPTQ's without its Hessians.
 - "gptq": a token embedding tied to the output head first gets its head's input importance
   from one streamed pass as "imatrix" (it is rounded under it, as in memory); the tensors
-  outside the repeated blocks (embeddings, final norm, an untied head) are loaded in the working dtype; the calibration inputs of the first block are captured; then
+  outside the repeated blocks (embeddings, final norm, an untied head) are loaded in the
+  working dtype; the calibration inputs of the first block are captured; then
   each block is loaded, its layers quantized group by group with the GPTQ of
   fewbits.quant.gptq (the same functions and order as gptq_quantize_model's block-by-block
   path, so the result equals in-memory quantization bit for bit), the block's output computed
@@ -46,8 +47,8 @@ from ..model_building import building, parameters_on_meta
 from ..progress import counter
 from ..quant.gptq import DAMP as GPTQ_DAMP
 from ..quant.gptq import (
-    SHRINK, WEIGHTED_SCALES, _Discovery, check_options, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block,
-    capture_block_inputs,
+    SHRINK, WEIGHTED_SCALES, _Discovery, _SequentialGPTQ, _find_blocks, _hidden_of, _passes, advance_block,
+    capture_block_inputs, check_options,
 )
 from ..quant.importance import DAMP, ImportanceHooks, importance_sources
 from ..quant.plan import calibration_batches, model_device, resolve_plan, run_batch
