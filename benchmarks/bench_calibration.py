@@ -26,8 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_gguf_decode import tools_dir  # noqa: E402
-from bench_quality import (TYPES, cpu_name, f32_gguf, file_stats, kl_scores, log, model_directory,  # noqa: E402
-                           run, write_texts)
+from bench_quality import (TYPES, cpu_name, f32_gguf, file_stats, kl_scores, kld_plot, log,  # noqa: E402
+                           model_directory, run, write_texts)
 
 MAKERS = ("llama.cpp + imatrix", "fewbits imatrix", "fewbits gptq")
 
@@ -129,23 +129,9 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for maker in dict.fromkeys(p["maker"] for p in result["points"]):
-        pts = sorted((p["tokens"], p["kld"]) for p in result["points"] if p["maker"] == maker)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=maker)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("calibration tokens (pydoc)")
-    ax.set_ylabel("mean KL divergence to F32 on fortunes (log)")
-    ax.set_title(f"{result['model']} {result['type']}: held-out quality against calibration")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    kld_plot(result["points"], "tokens", path, "calibration tokens (pydoc)",
+             "mean KL divergence to F32 on fortunes (log)",
+             f"{result['model']} {result['type']}: held-out quality against calibration", xlog2=True)
 
 
 if __name__ == "__main__":

@@ -348,23 +348,31 @@ def print_table(result: dict) -> None:
               f"{ratio:.2f}x |")
 
 
-def plot(rows, path: str, tag: str) -> None:
+def kld_plot(rows, x: str, path: str, xlabel: str, ylabel: str, title: str, xlog2: bool = False) -> None:
+    """One line per maker of rows[...]["kld"] (log scale) against rows[...][x], saved as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for maker in dict.fromkeys(r["maker"] for r in rows):
-        pts = sorted((r["bits_per_param"], r["kld"]) for r in rows if r["maker"] == maker)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=maker)
+        pts = sorted((r[x], r["kld"]) for r in rows if r["maker"] == maker)
+        ax.plot([p for p, _ in pts], [k for _, k in pts], marker="o", label=maker)
+    if xlog2:
+        ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("bits per parameter (tensor data)")
-    ax.set_ylabel("mean KL divergence to F32 (log)")
-    ax.set_title(f"{tag} on held-out text (fortunes), calibrated on pydoc")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(rows, path: str, tag: str) -> None:
+    kld_plot(rows, "bits_per_param", path, "bits per parameter (tensor data)", "mean KL divergence to F32 (log)",
+             f"{tag} on held-out text (fortunes), calibrated on pydoc")
 
 
 if __name__ == "__main__":

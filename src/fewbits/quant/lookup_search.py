@@ -23,7 +23,7 @@ import torch
 
 from ..formats import LookupFormat
 from ..kernels import native
-from .kquant_search import group_sum
+from .kquant_search import _kquant_library, group_sum
 
 SEARCH_STEPS = 7  # t = -7..7, llama.cpp's ntry for IQ4_NL
 _SEARCH_VALUES = 1 << 20  # values searched at a time (float64 temporaries)
@@ -50,10 +50,9 @@ def signed_lookup_scales(g: torch.Tensor, valid, fmt: LookupFormat, weights: tor
     weighs 0); weights: None (x^2) or float64 of g's shape. In C (kernels/csrc/kquant.c) where the
     native library serves (CPU float32, groups of at most 256, codebooks of at most 16 values),
     else signed_lookup_scales_reference; the two agree bit for bit."""
-    if g.numel() and len(fmt.table) <= native.LOOKUP_MAX_TABLE and native.kquant_supported(g, valid):
-        lib = native.library()
-        if lib is not None:
-            return native.lookup_signed(lib, g, valid, fmt.table, candidates(fmt), weights)
+    lib = _kquant_library(g, valid) if len(fmt.table) <= native.LOOKUP_MAX_TABLE else None
+    if lib is not None:
+        return native.lookup_signed(lib, g, valid, fmt.table, candidates(fmt), weights)
     return signed_lookup_scales_reference(g, valid, fmt, weights)
 
 

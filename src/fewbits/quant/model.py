@@ -64,8 +64,9 @@ def quantize_model(model: nn.Module, scheme_or_rules, skip=(), method: str = "rt
         calibration, as llama.cpp's importance matrix: fewbits.quant.importance; a tied embedding
         is weighed by its output head's input; layers whose scales are fixed by their recipe (MX,
         NVFP4, plain casts) and untied embeddings are rounded to nearest; option damp) or "gptq"
-        (both need `calibration`: an iterable of model inputs — tensors, tuples of positional
-        args or dicts of keyword args).
+        (fewbits.quant.gptq; a tied embedding rounded as imatrix rounds it; options block_size,
+        damp, act_order, static_groups, weighted_scales, shrink) (both need `calibration`: an
+        iterable of model inputs — tensors, tuples of positional args or dicts of keyword args).
     progress: True for a progress bar on stderr, or a callable(done, total, name).
     tied: "keep" (default): a layer whose weight another module shares (a tied lm_head) stays in
         float, so the tie and the parameter count survive; "untie": quantize it anyway.
