@@ -330,6 +330,23 @@ def test_transformers_loads_llama_logits_and_tokenizer_equal(tmp_path, pre):
         assert gtok(text)["input_ids"] == tok(text)["input_ids"], text
 
 
+@needs_k
+def test_transformers_reads_the_low_bit_types_as_fewbits_holds_them(tmp_path):
+    """Q2_K (attention), Q3_K (MLP) and IQ4_NL (the tied embedding) read by transformers'
+    own GGUF loader (gguf_file=): logits equal the dequantized model's bit for bit."""
+    cfg = llama_config(hidden=256, inter=512, layers=2)
+    tensors = llama_tensors(cfg, None, embed_scheme="iq4_nl")
+    for k in list(tensors):
+        if k.endswith("proj.weight"):
+            tensors[k] = fb.quantize(tensors[k], "q3_k" if ".mlp." in k else "q2_k")
+    write_gguf(tmp_path / "low.gguf", tensors, cfg)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="low.gguf").eval()
+    ref = reference_llama(transformers.LlamaForCausalLM, cfg, tensors)
+    ids = torch.arange(1, 31).reshape(1, 30)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+
+
 def test_attention_biases_permuted_like_their_rows(tmp_path):
     cfg = llama_config(attention_bias=True)
     tensors = llama_tensors(cfg, "q4_0")

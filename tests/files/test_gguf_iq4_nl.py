@@ -66,6 +66,10 @@ def test_decode_blocks_reads_any_bytes_as_gguf_does():
     assert encode_blocks(read).tobytes() == noise.tobytes()
     with pytest.raises(ValueError, match="must be 864 bytes"):
         decode_blocks(noise.reshape(-1)[:-1], "IQ4_NL", (12, 128))
+    with pytest.raises(ValueError, match="multiple of 32"):  # a file's shape that no block holds
+        decode_blocks(noise, "IQ4_NL", (12, 100))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        encode_blocks(fb.quantize(torch.randn(4, 48), "iq4_nl"))  # fine for fewbits, not for GGUF
 
 
 def test_the_scale_is_signed_and_the_extreme_may_take_the_long_end():
