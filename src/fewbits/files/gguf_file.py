@@ -95,7 +95,8 @@ Differences: llama.cpp refuses a legacy type on rows that are not a multiple of 
 defined); here that tensor stays in float. The expert (MoE) and Falcon rules do not apply to these
 architectures; the 70B rule is not reproduced: llama.cpp raises attn_v from Q3_K or Q4_K to Q5_K
 on a model it types as 70B (80 layers: Llama with grouped-query attention, Qwen2), so on such a
-model fewbits' q2_k_s / q2_k_m / q3_k_s / q3_k_m / q4_k_s give attn_v another type than llama.cpp. BERT's pooler.dense is None (not written).
+model fewbits' q2_k_s / q2_k_m / q3_k_s / q3_k_m / q4_k_s give attn_v another type than llama.cpp.
+BERT's pooler.dense is None (not written).
 For a tied model the embedding's entry is the one matrix llama.cpp uses for input and output.
 """
 from __future__ import annotations
@@ -148,8 +149,8 @@ def _rotary_permuted(arch: str) -> bool:
 # the transformers class each GGUF decoder architecture is read as (Mistral's files are "llama": Llama)
 READ_CLASSES = {ARCHITECTURES[a]: a for a in reversed(DECODERS)}
 UNIFORM_RECIPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-MIXED_RECIPES = {"q2_k_s": "Q2_K", "q2_k_m": "Q2_K", "q3_k_s": "Q3_K", "q3_k_m": "Q3_K", "q3_k_l": "Q3_K", "q4_k_m": "Q4_K",
-                 "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
+MIXED_RECIPES = {"q2_k_s": "Q2_K", "q2_k_m": "Q2_K", "q3_k_s": "Q3_K", "q3_k_m": "Q3_K", "q3_k_l": "Q3_K",
+                 "q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K"}
 RECIPES = UNIFORM_RECIPES + tuple(MIXED_RECIPES)
 # llama.cpp's tensor_type_fallback for rows that are not a multiple of the block
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -320,7 +321,7 @@ def _mix_rule(recipe: str, m: _Module, n_layers: int, gqa: float) -> tuple[str |
     return None, None
 
 
-def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool, gqa: float = 1.0) -> RecipeChoice:
+def _recipe_type(recipe: str, m: _Module, n_layers: int, tied: bool, gqa: float) -> RecipeChoice:
     rule = None
     if recipe in UNIFORM_RECIPES:
         t = recipe.upper()
@@ -350,7 +351,8 @@ def _scheme_of(type_name: str) -> str:
 def gguf_recipe(name: str, config) -> dict[str, str | None]:
     """{module name: fewbits scheme name, or None for float} for llama.cpp's type recipe `name`
     (one of RECIPES: "q8_0", "q4_0", ..., "q3_k_m", "q4_k_m", ...) on a model with this config
-    (a decoder or BertModel): every Linear and the token embedding (for a tied model the embedding stands for the output too). See the module
+    (a decoder or BertModel): every Linear and the token embedding (for a tied model the
+    embedding stands for the output too). See the module
     docstring for the rules and their differences from llama.cpp."""
     return {m: None if c.type is None else _scheme_of(c.type) for m, c in gguf_recipe_types(name, config).items()}
 
@@ -364,12 +366,12 @@ def gguf_recipe_types(name: str, config) -> dict[str, RecipeChoice]:
     cfg = _config_dict(config)
     arch = _architecture(cfg)
     d = _dims(cfg, arch)
+    gqa = d["num_attention_heads"] / d.get("num_key_value_heads", d["num_attention_heads"])  # query heads per kv head
     out = {}
     for m in _modules(cfg, arch):
         if m.category == "pooler":
             out[m.name] = RecipeChoice(None, "BERT's pooler is not written", None, None, m.row)
         else:
-            gqa = d["num_attention_heads"] / d.get("num_key_value_heads", d["num_attention_heads"])
             out[m.name] = _recipe_type(recipe, m, d["num_hidden_layers"], d["tied"], gqa)
     return out
 
@@ -767,8 +769,8 @@ _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8
                "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
                "iq4_nl": "MOSTLY_IQ4_NL",
                "q2_k": "MOSTLY_Q2_K_S", "q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S",
-               "q6_k": "MOSTLY_Q6_K", "q2_k_m": "MOSTLY_Q2_K", "q2_k_s": "MOSTLY_Q2_K_S", "q3_k_s": "MOSTLY_Q3_K_S", "q3_k_m": "MOSTLY_Q3_K_M",
-               "q3_k_l": "MOSTLY_Q3_K_L",
+               "q6_k": "MOSTLY_Q6_K", "q2_k_m": "MOSTLY_Q2_K", "q2_k_s": "MOSTLY_Q2_K_S", "q3_k_s": "MOSTLY_Q3_K_S",
+               "q3_k_m": "MOSTLY_Q3_K_M", "q3_k_l": "MOSTLY_Q3_K_L",
                "q4_k_m": "MOSTLY_Q4_K_M", "q4_k_s": "MOSTLY_Q4_K_S", "q5_k_m": "MOSTLY_Q5_K_M",
                "q5_k_s": "MOSTLY_Q5_K_S"}
 
