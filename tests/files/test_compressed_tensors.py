@@ -150,7 +150,7 @@ def test_an_asymmetric_signed_format_is_refused():
     with pytest.raises(ValueError, match="unsigned zero points"):
         ct.scheme_args(QuantScheme("int4", "group", group_size=32, symmetric=False))
     assert not ct.fits(QuantScheme("int8", "group", group_size=32, symmetric=False))
-    assert ct.fits("int4_g32", widths=(576, 1536)) and not ct.fits("int4", widths=(576, 1536))
+    assert ct.fits("int4_g32", (576, 1536)) and not ct.fits("int4", (576, 1536))
 
 
 def test_an_untied_quantized_head_of_a_tied_model_is_written_untied(tmp_path):
@@ -174,8 +174,8 @@ def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
     transformers.LlamaForCausalLM(cfg).save_pretrained(src)
     from fewbits.files import hf_dir
     monkeypatch.setattr(hf_dir, "ShardWriter", None)  # nothing may be written before the checks
-    cases = [("int4", {}, "96 columns are not a whole number of groups of 128.*presets that fit 96 columns: "
-                          "int4_g32, int4_asym_g32, int4_channel, q4_0, int8"),
+    cases = [("int4", {}, "96 columns are not a whole number of groups of 128.*presets that fit a 96 x 96 weight: "
+                          "int4_g32, int4_asym_g32, int4_channel, q4_0, w4a16_g32, int8"),
              ("nf4", {}, "nf4 codes"),
              ("int4_g32", {"embeddings": True, "tied": "untie"}, "model.embed_tokens.*Embedding")]
     for scheme, options, message in cases:
