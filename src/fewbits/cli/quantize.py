@@ -37,10 +37,11 @@ def add_parser(sub) -> None:
                    help="choose a scheme per layer to fit this many bits per parameter")
     p.add_argument("--out", metavar="OUT", help="with --scheme or --budget: write the quantized model there "
                    "(see --format); with --compare: a directory for results.json and quality_vs_bits.png")
-    p.add_argument("--format", choices=("fewbits", "hf", "gguf", "compressed-tensors"),
+    p.add_argument("--format", choices=("fewbits", "hf", "gguf", "compressed-tensors", "gptq", "bitsandbytes"),
                    help="the written model: hf (a Hugging Face directory), gguf (for llama.cpp), compressed-tensors "
-                   "(a directory vLLM, SGLang and transformers load) or fewbits (one safetensors file); default "
-                   "from OUT: *.gguf, *.safetensors, else hf")
+                   "or gptq (directories vLLM, SGLang and transformers load), bitsandbytes (nf4, for transformers "
+                   "with bitsandbytes) or fewbits (one safetensors file); default from OUT: *.gguf, *.safetensors, "
+                   "else hf")
     p.add_argument("--calibration", metavar="FILE", help="a text file of calibration text for --method imatrix "
                    "or gptq (default: Python's pydoc topics)")
     p.add_argument("--calibration-samples", type=int, metavar="N",

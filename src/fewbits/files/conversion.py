@@ -1,4 +1,4 @@
-"""Converting a Hugging Face model directory into a deployable quantized model, in one of three
+"""Converting a Hugging Face model directory into a deployable quantized model, in one of these
 formats, streamed from disk (fewbits.files.streaming):
 
 - "hf": a Hugging Face directory with a fewbits quantization_config (fb.from_pretrained, and
@@ -9,6 +9,11 @@ formats, streamed from disk (fewbits.files.streaming):
   SGLang and transformers (with the compressed-tensors package) load; every planned scheme must
   have an exact compressed-tensors form (fewbits.files.compressed_tensors), checked before any
   work;
+- "gptq": a Hugging Face directory in the GPTQ checkpoint format (v1, symmetric), which vLLM,
+  SGLang, TGI, ExLlama and GPTQModel load; every planned scheme must have an exact GPTQ form
+  (fewbits.files.gptq_format), checked before any work;
+- "bitsandbytes": a Hugging Face directory in bitsandbytes' 4-bit layout, which transformers loads
+  with bitsandbytes installed (nf4; fewbits.files.bnb_format);
 - "fewbits": one fewbits safetensors file (fb.save; fb.load into a float skeleton reads it).
 
 The model is quantized into a temporary HF directory beside the output first when the format is
@@ -23,19 +28,21 @@ from collections.abc import Callable, Iterator
 
 from ..atomic import DirectoryReplacement
 from ..quant.scheme import get_scheme
-from . import compressed_tensors
+from . import bnb_format, compressed_tensors, gptq_format
 from .gguf_blocks import gguf_block_type
 from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
-__all__ = ["FORMATS", "convert", "float_matrices", "formats_for"]
+__all__ = ["FORMATS", "STANDARD_FORMATS", "convert", "float_matrices", "formats_for"]
 
-FORMATS = ("hf", "gguf", "fewbits", "compressed-tensors")
-_DIRECTORIES = ("hf", "compressed-tensors")
+# the standard directory formats (fewbits.files.standard_dir.StandardFormat), by --format name
+STANDARD_FORMATS = {f.name: f for f in (compressed_tensors.FORMAT, gptq_format.FORMAT, bnb_format.FORMAT)}
+FORMATS = ("hf", "gguf", "fewbits", *STANDARD_FORMATS)
+_DIRECTORIES = ("hf", *STANDARD_FORMATS)
 
 
 _NAMED_FORMATS = {".gguf": ("gguf", "a GGUF file"), ".safetensors": ("fewbits", "a fewbits safetensors file")}
 _FORMAT_WHAT = {"hf": "a Hugging Face directory", "gguf": "a GGUF file", "fewbits": "a fewbits safetensors file",
-                "compressed-tensors": "a compressed-tensors directory"}
+                **{name: f"a {name} directory" for name in STANDARD_FORMATS}}
 
 
 def output_format(out, format: str | None = None) -> str:
@@ -60,9 +67,10 @@ def output_format(out, format: str | None = None) -> str:
 
 def formats_for(scheme) -> list[str]:
     """The output formats (FORMATS) that hold `scheme` exactly: hf and fewbits hold every scheme,
-    gguf those with a GGUF block type, compressed-tensors those it has a config group for."""
+    gguf those with a GGUF block type, the standard formats those they have an exact form of."""
     found = ["hf", "fewbits"]
-    for fmt, check in (("gguf", gguf_block_type), ("compressed-tensors", compressed_tensors.scheme_args)):
+    checks = {"gguf": gguf_block_type, **{name: f.scheme_args for name, f in STANDARD_FORMATS.items()}}
+    for fmt, check in checks.items():
         try:
             check(scheme)
         except ValueError:
@@ -134,7 +142,8 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
     if fmt == "gguf":
         check_gguf_source(source)
-    check = {"gguf": check_gguf_plan, "compressed-tensors": compressed_tensors.check_plan}.get(fmt)
+    check = check_gguf_plan if fmt == "gguf" else STANDARD_FORMATS[fmt].check_plan if fmt in STANDARD_FORMATS \
+        else None
     if fmt == "hf":
         summary = quantize_pretrained(source, out, scheme_or_rules, method=method, calibration=calibration,
                                       skip=skip, embeddings=embeddings, tied=tied, overwrite=overwrite,
@@ -161,9 +170,9 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             written = write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
                                  tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
             summary.types = dict(written.types)
-        elif fmt == "compressed-tensors":
-            compressed_tensors.write_compressed_tensors(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),
-                                     overwrite=overwrite)
+        elif fmt in STANDARD_FORMATS:
+            STANDARD_FORMATS[fmt].write(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),
+                                        overwrite=overwrite)
         else:
             from safetensors import SafetensorError
 

@@ -465,6 +465,11 @@ def _presets() -> dict[str, QuantScheme]:
         S("uint4", "group", group_size=128, symmetric=False, name="int4_asym"),
         S("int4", "group", group_size=32, name="int4_g32"),
         S("uint4", "group", group_size=32, symmetric=False, name="int4_asym_g32"),
+        # the weights of the serving engines' W4A16 / W8A16 checkpoints (GPTQ, compressed-tensors):
+        # symmetric integers under fp16 scales, which GPTQ stores (int4 / int4_g32 / int8 keep fp32)
+        S("int4", "group", group_size=128, scale_format="fp16", name="w4a16"),
+        S("int4", "group", group_size=32, scale_format="fp16", name="w4a16_g32"),
+        S("int8", "channel", scale_format="fp16", name="w8a16"),
         # GGUF's legacy blocks of 32, quantized bit for bit as gguf.quants.quantize does (scale_method
         # "gguf"): Q8_0 and Q4_0 (an fp16 scale d, w = d * q), Q4_1 and Q5_1 (fp16 d and minimum m,
         # w = d * q + m), Q5_0; fewbits.files.gguf_blocks writes them as GGUF block bytes

@@ -206,10 +206,10 @@ def conversion_scheme(scheme: str, fmt: str) -> str:
         if fmt != "gguf":
             raise
         raise ValueError(f"{e}; with --format gguf also the llama.cpp mixes: {', '.join(MIXED_RECIPES)}") from None
-    if fmt == "compressed-tensors":
-        from ..files.compressed_tensors import scheme_args
+    from ..files.conversion import STANDARD_FORMATS
+    if fmt in STANDARD_FORMATS:
         try:
-            scheme_args(preset)
+            STANDARD_FORMATS[fmt].scheme_args(preset)
         except ValueError as e:
             raise ValueError(f"--scheme {scheme}: {e}") from None
     if fmt != "gguf":
@@ -260,15 +260,20 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
             rows = {getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0)}
             candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
         else:
-            candidates = (name,) + BUDGET_CANDIDATES if name else BUDGET_CANDIDATES
-            if fmt == "compressed-tensors":  # the schemes compressed-tensors holds on every layer's width
-                from ..files.compressed_tensors import fits
+            from ..files.conversion import STANDARD_FORMATS
+            own = STANDARD_FORMATS[fmt].budget_candidates if fmt in STANDARD_FORMATS else BUDGET_CANDIDATES
+            if not own:
+                raise ValueError(f"--budget chooses a scheme per layer, and --format {fmt} holds one scheme only "
+                                 f"({', '.join(STANDARD_FORMATS[fmt].fitting_presets)}): give --scheme instead")
+            candidates = (name,) + own if name else own
+            if fmt in STANDARD_FORMATS:  # the schemes the format holds on every layer's shape
                 from ..files.streaming import model_skeleton
-                widths = {m.in_features for m in model_skeleton(config).modules() if isinstance(m, torch.nn.Linear)}
-                candidates = tuple(c for c in candidates if fits(c, widths))
+                shapes = {tuple(m.weight.shape) for m in model_skeleton(config).modules()
+                          if isinstance(m, torch.nn.Linear)}
+                candidates = tuple(c for c in candidates if STANDARD_FORMATS[fmt].fits(c, shapes))
                 if not candidates:
-                    raise ValueError("--budget with --format compressed-tensors: no candidate scheme fits every "
-                                     f"layer width ({', '.join(map(str, sorted(widths)))})")
+                    raise ValueError(f"--budget with --format {fmt}: no candidate scheme fits every layer shape "
+                                     f"({', '.join('x'.join(map(str, s)) for s in sorted(shapes))})")
         subject = path_subject(source)
         allocation = allocate_for_budget(subject, list(dict.fromkeys(candidates)), budget, progress=progress)
         return {"scheme": None, "rules": dict(allocation["choices"]), "embeddings": embeddings, "tied": tied,

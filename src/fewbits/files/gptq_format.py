@@ -1,0 +1,162 @@
+"""GPTQ directories: fewbits' quantized models in the GPTQ checkpoint format that vLLM (gptq,
+gptq_marlin), SGLang, TGI, ExLlama and GPTQModel (and transformers through it) load.
+
+A Hugging Face directory whose config.json holds a `quantization_config` with `quant_method:
+"gptq"`, `checkpoint_format: "gptq"` (v1), `sym: true`, `desc_act: false`. Per quantized Linear `m`
+with `bits` 4 or 8 (p = 32 / bits values per int32 word):
+
+- `m.qweight`: int32 [in / p, out], the unsigned codes u = q + 2^(bits-1) packed along the input
+  dimension: row i holds inputs i*p .. i*p+p-1 of each column, input i*p+j at bit j*bits;
+- `m.scales`: float16 [groups, out] (one group per channel for group_size -1);
+- `m.qzeros`: int32 [groups, out / p], every value 2^(bits-1) - 1 (version 1 stores the zero
+  point minus one; the readers add it back), packed along the output dimension the same way;
+- `m.g_idx`: int32 [in], input i's group (i // group_size; no act-order);
+
+so that the readers' dequantization (u - zero) * scale = q * scale is fewbits' own. Only symmetric
+signed 4- and 8-bit integers under fp16 scales, per group or per output channel, fit (the w4a16,
+w4a16_g32, w8a16, q4_0 and q8_0 presets): vLLM's GPTQ kernels are symmetric-only, the format keeps
+scales in fp16, and it quantizes weights alone. Mixed schemes and float Linear layers other than
+lm_head go into `dynamic`, GPTQModel's and vLLM's per-module overrides: "+:<regex>" gives a module
+its own bits and group_size, "-:<regex>" leaves it in float. The regexes name each module exactly,
+and also the layer vLLM fuses a group into (qkv_proj, gate_up_proj), whose members must agree.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from ..formats import IntFormat
+from ..quant.scheme import QuantScheme, get_scheme
+from ..quant.tensor import QuantizedTensor
+from .standard_dir import _FUSED, StandardFormat, pack_int32
+
+QUANT_METHOD = "gptq"
+FITTING_PRESETS = ("w4a16", "w4a16_g32", "q4_0", "w8a16", "q8_0")
+_BITS = (4, 8)
+# the fused layer vLLM loads in place of each group of _FUSED (the members of one shared prefix)
+_FUSED_NAMES = {group: name for group, name in zip(_FUSED, ("qkv_proj", "gate_up_proj"))}
+
+
+def _group_size(s: QuantScheme) -> int:
+    return s.group_size if s.granularity == "group" else -1
+
+
+class GPTQ(StandardFormat):
+    name = QUANT_METHOD
+    fitting_presets = FITTING_PRESETS
+    budget_candidates = ("w8a16", "w4a16_g32", "w4a16")
+
+    def scheme_args(self, scheme) -> dict:
+        """{"bits", "group_size"} of a fewbits scheme in GPTQ, or a ValueError saying why GPTQ has
+        no exact form of it."""
+        s: QuantScheme = get_scheme(scheme)
+        fmt = s.format
+        why = None
+        if s.super_block is not None:
+            why = "GGUF super-blocks (k-quants) exist only in GGUF"
+        elif not isinstance(fmt, IntFormat):
+            why = f"GPTQ holds integer codes, not {fmt.name}"
+        elif s.activations is not None:
+            why = (f"GPTQ checkpoints quantize weights only, and {s.label} quantizes the activations too "
+                   "(compressed-tensors holds w8a8)")
+        elif s.zero_point == "float":
+            why = "a float minimum per group has no integer zero point to store"
+        elif not s.symmetric or not fmt.signed:
+            why = ("vLLM's GPTQ kernels are symmetric-only, so fewbits writes symmetric codes alone "
+                   "(compressed-tensors holds the asymmetric int4_asym presets)")
+        elif fmt.bits not in _BITS:
+            why = f"{fmt.bits}-bit integers are not written by this exporter (4 and 8 bits are)"
+        elif s.double_quant:
+            why = "double-quantized scales are not GPTQ scales"
+        elif s.granularity not in ("channel", "group") or (s.granularity == "channel" and s.axis != 0):
+            why = "GPTQ keeps one scale per output channel or per group of inputs"
+        elif s.scale_format != "fp16":
+            why = (f"GPTQ stores scales in fp16 and {s.label} keeps them in {s.scale_format} (w4a16, "
+                   "w4a16_g32 and w8a16 are the fp16-scale twins of int4, int4_g32 and int8)")
+        if why is not None:
+            raise ValueError(f"{s.label} does not fit GPTQ: {why}; {self.fits_hint()}")
+        return {"bits": fmt.bits, "group_size": _group_size(s)}
+
+    def shape_problem(self, s: QuantScheme, shape) -> str | None:
+        why = super().shape_problem(s, shape)
+        if why is not None:
+            return why
+        per = 32 // s.format.bits
+        out_f, in_f = shape
+        if in_f % per or out_f % per:
+            return (f"GPTQ packs {per} {s.format.bits}-bit codes into each int32 word along both dimensions, "
+                    f"and a {out_f} x {in_f} weight is not a whole number of words")
+        return None
+
+    def module_tensors(self, module: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """The GPTQ entries of quantized Linear `module` (see the module docstring)."""
+        s = qt.scheme
+        args = self.check_module(module, s, qt.shape)
+        bits = args["bits"]
+        out_f, in_f = qt.shape
+        half = 1 << (bits - 1)
+        q = qt.int_codes()[:, :in_f]  # [out, in], signed
+        scales = qt.scale_values().reshape(out_f, -1)  # fp16 values held in float32: exact
+        groups = scales.shape[1]
+        size = in_f if args["group_size"] == -1 else args["group_size"]
+        return {
+            f"{module}.qweight": pack_int32(q + half, bits).t().contiguous(),  # packed along the inputs
+            f"{module}.qzeros": pack_int32(torch.full((groups, out_f), half - 1, dtype=torch.int64), bits),
+            f"{module}.scales": scales.t().to(torch.float16).contiguous(),
+            f"{module}.g_idx": (torch.arange(in_f, dtype=torch.int32) // size).contiguous(),
+        }
+
+    def quantization_config(self, plan: Mapping[str, QuantScheme], ignore=()) -> dict:
+        """The most used scheme is the base config; the others, and the float Linear layers
+        other than lm_head, are `dynamic` overrides (see the module docstring)."""
+        from .._version import __version__
+
+        if not plan:
+            raise ValueError("a GPTQ checkpoint needs at least one quantized Linear layer")
+        args = {m: self.scheme_args(s) for m, s in plan.items()}
+        counts: dict[tuple, int] = {}
+        for a in args.values():
+            key = (a["bits"], a["group_size"])
+            counts[key] = counts.get(key, 0) + 1
+        bits, group_size = max(sorted(counts), key=lambda k: counts[k])
+        treatment = {m: (a["bits"], a["group_size"]) for m, a in args.items()}
+        treatment.update((m, None) for m in ignore if m != "lm_head")
+        dynamic: dict[str, dict] = {}
+        for pattern, t in _override_patterns(treatment, (bits, group_size)):
+            dynamic[("-:" if t is None else "+:") + pattern] = {} if t is None else {"bits": t[0],
+                                                                                     "group_size": t[1]}
+        qc = {"quant_method": QUANT_METHOD, "checkpoint_format": "gptq", "bits": bits, "group_size": group_size,
+              "sym": True, "desc_act": False, "static_groups": False, "true_sequential": True,
+              "lm_head": "lm_head" in plan, "pack_dtype": "int32",
+              "meta": {"quantizer": [f"fewbits:{__version__}"]}}
+        if dynamic:
+            qc["dynamic"] = dynamic
+        return qc
+
+
+def _override_patterns(treatment: Mapping[str, tuple | None], base: tuple) -> list[tuple[str, tuple | None]]:
+    """(regex, treatment) for every module whose treatment (bits, group_size) or None (float)
+    differs from `base`: each module by its exact name, and the fused layer of a _FUSED group
+    whose members all share one treatment."""
+    found = []
+    for name in sorted(treatment):
+        t = treatment[name]
+        if t == base:
+            continue
+        found.append((f"^{re.escape(name)}$", t))
+        parent, _, leaf = name.rpartition(".")
+        for group, fused in _FUSED_NAMES.items():
+            if leaf == group[0]:
+                members = [f"{parent}.{g}" if parent else g for g in group]
+                if all(m in treatment and treatment[m] == t for m in members):
+                    whole = f"{parent}.{fused}" if parent else fused
+                    found.append((f"^{re.escape(whole)}$", t))
+    return found
+
+
+FORMAT = GPTQ()
+write_gptq = FORMAT.write
+
+__all__ = ["write_gptq"]
