@@ -10,8 +10,9 @@ formats, streamed from disk (fewbits.files.streaming):
   have an exact compressed-tensors form (fewbits.files.compressed_tensors), checked before any
   work;
 - "gptq": a Hugging Face directory in the GPTQ checkpoint format (v1, symmetric), which vLLM,
-  SGLang, TGI, ExLlama and GPTQModel load; every planned scheme must have an exact GPTQ form
-  (fewbits.files.gptq_format), checked before any work;
+  SGLang, TGI, ExLlama and GPTQModel load: one scheme with an exact GPTQ form for every Linear
+  layer but the output layer, which stays in float (a scheme given alone is applied so;
+  fewbits.files.gptq_format), checked before any work;
 - "bitsandbytes": a Hugging Face directory in bitsandbytes' 4-bit layout, which transformers loads
   with bitsandbytes installed (nf4; fewbits.files.bnb_format);
 - "fewbits": one fewbits safetensors file (fb.save; fb.load into a float skeleton reads it).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from ..atomic import DirectoryReplacement
 from ..quant.scheme import get_scheme
@@ -142,6 +143,14 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
     if fmt == "gguf":
         check_gguf_source(source)
+    if fmt in STANDARD_FORMATS and STANDARD_FORMATS[fmt].one_scheme_head_in_float and \
+            not isinstance(scheme_or_rules, Mapping):
+        from transformers import AutoConfig
+
+        from .standard_dir import linear_layers
+        _, head = linear_layers(AutoConfig.from_pretrained(source))
+        if head is not None:  # one scheme for every Linear layer but the output layer, in float
+            scheme_or_rules = {head: None, "*": scheme_or_rules}
     check = check_gguf_plan if fmt == "gguf" else STANDARD_FORMATS[fmt].check_plan if fmt in STANDARD_FORMATS \
         else None
     if fmt == "hf":

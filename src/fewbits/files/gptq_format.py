@@ -12,17 +12,17 @@ with `bits` 4 or 8 (p = 32 / bits values per int32 word):
   point minus one; the readers add it back), packed along the output dimension the same way;
 - `m.g_idx`: int32 [in], input i's group (i // group_size; no act-order);
 
-so that the readers' dequantization (u - zero) * scale = q * scale is fewbits' own. Only symmetric
-signed 4- and 8-bit integers under fp16 scales, per group or per output channel, fit (the w4a16,
-w4a16_g32, w8a16, q4_0 and q8_0 presets): vLLM's GPTQ kernels are symmetric-only, the format keeps
-scales in fp16, and it quantizes weights alone. Mixed schemes and float Linear layers other than
-lm_head go into `dynamic`, GPTQModel's and vLLM's per-module overrides: "+:<regex>" gives a module
-its own bits and group_size, "-:<regex>" leaves it in float. The regexes name each module exactly,
-and also the layer vLLM fuses a group into (qkv_proj, gate_up_proj), whose members must agree.
+so that the readers' dequantization (u - zero) * scale = q * scale is fewbits' own (the readers
+compute it in float16, rounding fewbits' float32 product once). Only symmetric signed 4- and 8-bit
+integers under fp16 scales, per group or per output channel, fit (the w4a16, w4a16_g32, w8a16, q4_0
+and q8_0 presets): vLLM's GPTQ kernels are symmetric-only, the format keeps scales in fp16, and it
+quantizes weights alone. One scheme holds every Linear layer but the output layer, which stays in
+float: transformers (through optimum and GPTQModel) quantizes every Linear of the decoder blocks
+with the one config and reads a quantized lm_head, a float layer or GPTQModel's per-module
+`dynamic` overrides as random weights, without an error. Mixed plans go to compressed-tensors.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
@@ -30,13 +30,11 @@ import torch
 from ..formats import IntFormat
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import QuantizedTensor
-from .standard_dir import _FUSED, StandardFormat, pack_int32
+from .standard_dir import StandardFormat, pack_int32
 
 QUANT_METHOD = "gptq"
 FITTING_PRESETS = ("w4a16", "w4a16_g32", "q4_0", "w8a16", "q8_0")
 _BITS = (4, 8)
-# the fused layer vLLM loads in place of each group of _FUSED (the members of one shared prefix)
-_FUSED_NAMES = {group: name for group, name in zip(_FUSED, ("qkv_proj", "gate_up_proj"))}
 
 
 def _group_size(s: QuantScheme) -> int:
@@ -46,7 +44,8 @@ def _group_size(s: QuantScheme) -> int:
 class GPTQ(StandardFormat):
     name = QUANT_METHOD
     fitting_presets = FITTING_PRESETS
-    budget_candidates = ("w8a16", "w4a16_g32", "w4a16")
+    budget_candidates = ()  # one scheme for every layer: nothing to choose per layer
+    one_scheme_head_in_float = True
 
     def scheme_args(self, scheme) -> dict:
         """{"bits", "group_size"} of a fewbits scheme in GPTQ, or a ValueError saying why GPTQ has
@@ -109,51 +108,16 @@ class GPTQ(StandardFormat):
         }
 
     def quantization_config(self, plan: Mapping[str, QuantScheme], ignore=()) -> dict:
-        """The most used scheme is the base config; the others, and the float Linear layers
-        other than lm_head, are `dynamic` overrides (see the module docstring)."""
+        """The one scheme's bits and group_size (see layout_problem), symmetric, no act-order."""
         from .._version import __version__
 
-        if not plan:
-            raise ValueError("a GPTQ checkpoint needs at least one quantized Linear layer")
-        args = {m: self.scheme_args(s) for m, s in plan.items()}
-        counts: dict[tuple, int] = {}
-        for a in args.values():
-            key = (a["bits"], a["group_size"])
-            counts[key] = counts.get(key, 0) + 1
-        bits, group_size = max(sorted(counts), key=lambda k: counts[k])
-        treatment = {m: (a["bits"], a["group_size"]) for m, a in args.items()}
-        treatment.update((m, None) for m in ignore if m != "lm_head")
-        dynamic: dict[str, dict] = {}
-        for pattern, t in _override_patterns(treatment, (bits, group_size)):
-            dynamic[("-:" if t is None else "+:") + pattern] = {} if t is None else {"bits": t[0],
-                                                                                     "group_size": t[1]}
-        qc = {"quant_method": QUANT_METHOD, "checkpoint_format": "gptq", "bits": bits, "group_size": group_size,
-              "sym": True, "desc_act": False, "static_groups": False, "true_sequential": True,
-              "lm_head": "lm_head" in plan, "pack_dtype": "int32",
-              "meta": {"quantizer": [f"fewbits:{__version__}"]}}
-        if dynamic:
-            qc["dynamic"] = dynamic
-        return qc
-
-
-def _override_patterns(treatment: Mapping[str, tuple | None], base: tuple) -> list[tuple[str, tuple | None]]:
-    """(regex, treatment) for every module whose treatment (bits, group_size) or None (float)
-    differs from `base`: each module by its exact name, and the fused layer of a _FUSED group
-    whose members all share one treatment."""
-    found = []
-    for name in sorted(treatment):
-        t = treatment[name]
-        if t == base:
-            continue
-        found.append((f"^{re.escape(name)}$", t))
-        parent, _, leaf = name.rpartition(".")
-        for group, fused in _FUSED_NAMES.items():
-            if leaf == group[0]:
-                members = [f"{parent}.{g}" if parent else g for g in group]
-                if all(m in treatment and treatment[m] == t for m in members):
-                    whole = f"{parent}.{fused}" if parent else fused
-                    found.append((f"^{re.escape(whole)}$", t))
-    return found
+        args = {(a["bits"], a["group_size"]) for a in map(self.scheme_args, plan.values())}
+        if len(args) != 1:
+            raise ValueError(f"a GPTQ checkpoint holds one scheme, got {len(args)}")
+        (bits, group_size), = args
+        return {"quant_method": QUANT_METHOD, "checkpoint_format": "gptq", "bits": bits, "group_size": group_size,
+                "sym": True, "desc_act": False, "static_groups": False, "true_sequential": True, "lm_head": False,
+                "pack_dtype": "int32", "meta": {"quantizer": [f"fewbits:{__version__}"]}}
 
 
 FORMAT = GPTQ()

@@ -79,6 +79,10 @@ class StandardFormat:
     name: str = ""
     fitting_presets: tuple[str, ...] = ()
     budget_candidates: tuple[str, ...] = ()  # what --budget chooses among, per layer
+    # one scheme for every Linear layer but the output layer, which stays in float (what
+    # transformers' loader of the format can read: it quantizes every Linear of the decoder blocks,
+    # with one config)
+    one_scheme_head_in_float: bool = False
 
     # -- what a subclass defines ---------------------------------------------------------------
     def scheme_args(self, scheme) -> dict:
@@ -132,6 +136,27 @@ class StandardFormat:
             return False
         return all(self.shape_problem(s, (8, w) if isinstance(w, int) else tuple(w)) is None for w in shapes)
 
+    def layout_problem(self, plan: Mapping, linears, head: str | None) -> str | None:
+        """Why the format cannot hold this plan ({module: scheme}) of a model whose Linear layers
+        are `linears` and output layer `head` as a whole, or None."""
+        if not self.one_scheme_head_in_float:
+            return None
+        if head is not None and head in plan:
+            return (f"the output layer {head!r} is quantized, and transformers' {self.name} loader reads it as a "
+                    "float layer (random weights): leave it in float (a first rule {" + repr(head) + ": None}; a scheme "
+                    "given alone is applied so)")
+        labels = sorted({get_scheme(s).label for s in plan.values()})
+        if len(labels) > 1:
+            return (f"{self.name} holds one scheme for all layers, this plan has {len(labels)} ({', '.join(labels)}); "
+                    "compressed-tensors holds mixed plans")
+        floats = sorted(set(linears) - set(plan) - {head})
+        if floats:
+            return (f"{floats[0]!r}" + (f" and {len(floats) - 1} more Linear layers" if len(floats) > 1 else "")
+                    + f" would stay in float, and transformers' {self.name} loader quantizes every Linear layer "
+                    "but the output layer (reading a float one as random weights); compressed-tensors lists them "
+                    "in `ignore`")
+        return None
+
     def _named(self, module: str, e: ValueError) -> ValueError:
         return ValueError(f"--format {self.name}: {e}" + ("" if module in str(e) else f" (layer {module!r})"))
 
@@ -141,6 +166,12 @@ class StandardFormat:
         work."""
         from torch import nn
 
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        why = self.layout_problem(plan, linears, next((n for n, m in model.named_modules()
+                                                       if head is not None and m is head), None))
+        if why is not None:
+            raise ValueError(f"--format {self.name}: {why}")
         for module, scheme in plan.items():
             m = model.get_submodule(module)
             try:
@@ -172,6 +203,9 @@ class StandardFormat:
         if not_linear:
             raise ValueError(f"--format {self.name} quantizes Linear layers; {not_linear[0]!r} is not one "
                              "(leave the embeddings in float: no --embeddings)")
+        why = self.layout_problem(plan, linears, head)
+        if why is not None:
+            raise ValueError(f"--format {self.name}: {why}")
         conflicts = fused_conflicts(plan, linears)
         if conflicts:
             warnings.warn(f"{len(conflicts)} group(s) of layers that vLLM fuses into one do not share a scheme, so "
