@@ -102,8 +102,8 @@ def run(args, out) -> int:
 
 def _causal_lm(spec: str):
     """(model in eval mode, tokenizer, what was loaded): smollm2, a GGUF file or a Hugging Face
-    directory -- fewbits-quantized ones through fb.from_pretrained (quantized weights as stored),
-    others through transformers in float32."""
+    directory -- fewbits-quantized, compressed-tensors and GPTQ ones through fb.from_pretrained
+    (quantized weights as stored), others through transformers in float32."""
     from ..files.hf_quantizer import from_pretrained
     from ..study.quantization import _load_part
 
@@ -130,13 +130,16 @@ def _causal_lm(spec: str):
             quant = (json.load(f).get("quantization_config") or {}).get("quant_method")
     except (OSError, json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"{config}: unreadable config ({e})") from None
+    from ..files.conversion import STANDARD_FORMATS
     from ..files.hf_dir import read_tensors
     # config.json's values, the shards, the index and the layer count checked before transformers
     # reads any of it (the tokenizer builds the config too)
-    read_tensors(path).close()
+    read_tensors(path, foreign=quant in STANDARD_FORMATS).close()
     tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
     if quant == "fewbits":
         return from_pretrained(path), tokenizer, f"{path} (fewbits-quantized)"
+    if quant in STANDARD_FORMATS:  # its codes and scales as they are, in fewbits' kernels
+        return from_pretrained(path), tokenizer, f"{path} ({quant}, read by fewbits)"
     model, info = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype="float32", local_files_only=True, output_loading_info=True))
     missing = sorted(info.get("missing_keys") or ())

@@ -247,7 +247,7 @@ def _quant_convert(args, out, say) -> int:
         result["types"] = sq.written_types(summary.types, plan["types"])
     if floats:
         result["float_matrices"] = floats
-        notes.append(_float_matrices_note(floats, summary.bytes, tied_source, plan))
+        notes.append(_float_matrices_note(floats, summary.bytes, tied_source, plan, fmt))
     if args.json:
         if notes:
             result["notes"] = notes
@@ -273,7 +273,7 @@ def _ties_embeddings(source: str) -> bool:
         return False
 
 
-def _float_matrices_note(floats, total: int, tied: bool, plan) -> str:
+def _float_matrices_note(floats, total: int, tied: bool, plan, fmt: str = "hf") -> str:
     """One sentence on the matrices a conversion left in float: which, their share of the output,
     and the options that quantize them."""
     size = sum(f["bytes"] for f in floats)
@@ -291,6 +291,11 @@ def _float_matrices_note(floats, total: int, tied: bool, plan) -> str:
     verb = "stays" if len(floats) == 1 else "stay"
     text = f"{', '.join(listed)} {verb} in float: {amount(size)} of {amount(total)} ({size / total:.0%})"
     if any("embed" in f["name"] for f in floats) and not plan["embeddings"]:
-        text += ("; --embeddings --tied untie quantizes the embedding and the output layer each (two quantized "
-                 "copies of a tied matrix)" if tied else "; --embeddings quantizes the embedding")
+        if fmt not in ("hf", "fewbits"):  # the standard formats quantize Linear layers only
+            text += f"; {fmt} keeps embeddings in float" + (
+                "; --tied untie quantizes the output layer on its own (a quantized copy of the tied matrix)"
+                if tied and fmt != "gptq" else "")
+        else:
+            text += ("; --embeddings --tied untie quantizes the embedding and the output layer each (two quantized "
+                     "copies of a tied matrix)" if tied else "; --embeddings quantizes the embedding")
     return text

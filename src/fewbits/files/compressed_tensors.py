@@ -26,6 +26,7 @@ schemes that fit.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -33,7 +34,8 @@ import torch
 from ..formats import FloatFormat, IntFormat
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import QuantizedTensor
-from .standard_dir import StandardFormat, pack_int32
+from .safetensors_format import FileFormatError
+from .standard_dir import StandardFormat, pack_int32, unpack_int32
 
 QUANT_METHOD = "compressed-tensors"
 # the presets that map onto compressed-tensors exactly (any group size that divides the width)
@@ -151,6 +153,110 @@ class CompressedTensors(StandardFormat):
         return {"quant_method": QUANT_METHOD, "format": forms.pop() if len(forms) == 1 else "mixed-precision",
                 "quantization_status": "compressed", "config_groups": config_groups, "ignore": sorted(ignore),
                 "kv_cache_scheme": None, "producer": {"name": "fewbits", "version": __version__}}
+
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_plan(self, path, qc, linears, head, info) -> dict[str, QuantScheme]:
+        """The Linear layers each config group targets (exact names, "re:" regexes, or the class
+        name "Linear", as compressed-tensors matches them), less `ignore`. Weight-only integers
+        ("pack-quantized", 4 or 8 bits, symmetric or with zero points, per channel or in groups
+        that divide the width), their scales in the dtype stored; activation quantization and
+        float codes are not read yet."""
+        def bad(why):
+            return FileFormatError(path, f"quantization_config (compressed-tensors): {why}")
+        groups, ignore = qc.get("config_groups"), qc.get("ignore") or []
+        if not isinstance(groups, dict) or not groups or not isinstance(ignore, list):
+            raise bad("config_groups must be a non-empty object and ignore a list")
+        plan: dict[str, QuantScheme] = {}
+        for key, group in groups.items():
+            if not isinstance(group, dict):
+                raise bad(f"config group {key!r} is not an object")
+            w, form = group.get("weights"), group.get("format") or qc.get("format")
+            if group.get("input_activations") or group.get("output_activations"):
+                raise bad(f"{key}: quantized activations (w8a8) are not read yet; weight-only integers are")
+            if form != "pack-quantized" or not isinstance(w, dict) or w.get("type") != "int":
+                raise bad(f"{key}: format {form!r}: fewbits reads pack-quantized integer weights")
+            bits, strategy, size = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+            if bits not in _PACKED_BITS or strategy not in ("channel", "group") or w.get("dynamic") \
+                    or w.get("actorder") or w.get("block_structure"):
+                raise bad(f"{key}: {bits}-bit {strategy} weights (fewbits reads 4 and 8 bits per channel or "
+                          "group, static, without act-order)")
+            if strategy == "group" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise bad(f"{key}: group_size {size!r}")
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not targets:
+                raise bad(f"{key}: targets must be a non-empty list")
+            symmetric = w.get("symmetric", True) is not False
+            for module, shape in linears.items():
+                if module in plan or not _matches(module, targets) or _matches(module, ignore):
+                    continue
+                got = info(f"{module}.weight_scale")
+                stored = got[1] if got is not None else None
+                scale = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(stored)
+                if scale is None:
+                    raise bad(f"{module}.weight_scale is missing or not a float tensor ({stored})")
+                fmt = f"int{bits}" if symmetric else f"uint{bits}"
+                scheme = (QuantScheme(fmt, "channel", symmetric=symmetric, scale_format=scale) if strategy == "channel"
+                          else QuantScheme(fmt, "group", group_size=size, symmetric=symmetric, scale_format=scale))
+                why = self.shape_problem(scheme, shape)
+                if why is not None:
+                    raise bad(f"{module}: {why}")
+                plan[module] = _preset_or(scheme)
+        if not plan:
+            raise bad("no Linear layer of the model is targeted")
+        return plan
+
+    def module_leaves(self, scheme) -> tuple[str, ...]:
+        return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
+
+    def read_module(self, module, entries, scheme, shape, dtype, qc) -> QuantizedTensor:
+        bits = scheme.format.bits
+        half = 1 << (bits - 1)
+        out_f, in_f = shape
+        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
+        words = -(-in_f * bits // 32)
+        packed, scale, stated = entries["weight_packed"], entries["weight_scale"], entries["weight_shape"]
+        if stated.dtype not in (torch.int64, torch.int32) or stated.tolist() != [out_f, in_f]:
+            raise ValueError(f"weight_shape {stated.tolist()} is not the layer's {[out_f, in_f]}")
+        if tuple(packed.shape) != (out_f, words) or packed.dtype != torch.int32:
+            raise ValueError(f"weight_packed is {packed.dtype} {list(packed.shape)}, not int32 {[out_f, words]}")
+        if tuple(scale.shape) != (out_f, groups):
+            raise ValueError(f"weight_scale is {list(scale.shape)}, not {[out_f, groups]}")
+        values = unpack_int32(packed, bits, in_f)  # unsigned: compressed-tensors' signed value + half
+        zero = None
+        if not scheme.symmetric:
+            zp = entries["weight_zero_point"]
+            rows = -(-out_f * bits // 32)
+            if tuple(zp.shape) != (rows, groups) or zp.dtype != torch.int32:
+                raise ValueError(f"weight_zero_point is {zp.dtype} {list(zp.shape)}, not int32 {[rows, groups]}")
+            zero = unpack_int32(zp.t(), bits, out_f).t()  # packed along the outputs: fewbits' unsigned zero points
+        else:
+            values = values - half
+        return QuantizedTensor.from_int_codes(scheme, shape, dtype, values, scale.to(torch.float32), zero)
+
+
+def _matches(module: str, targets) -> bool:
+    """compressed-tensors' target matching: the module's name, a "re:" regex of it, or the
+    class name Linear (every target here is a Linear)."""
+    for t in targets:
+        if not isinstance(t, str):
+            continue
+        if t == module or t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)):
+            return True
+    return False
+
+
+def _preset_or(scheme: QuantScheme) -> QuantScheme:
+    """The preset that stores exactly like `scheme` (same format, granularity, group, symmetry,
+    scale format), else `scheme` itself: a read directory's layers carry the names users know."""
+    for name in FITTING_PRESETS:
+        p = get_scheme(name)
+        if (p.format, p.granularity, p.group_size if p.granularity == "group" else None, p.symmetric, p.scale_format,
+                p.activations, p.zero_point) == (scheme.format, scheme.granularity,
+                                                 scheme.group_size if scheme.granularity == "group" else None,
+                                                 scheme.symmetric, scheme.scale_format, None, scheme.zero_point):
+            return p
+    return scheme
 
 
 FORMAT = CompressedTensors()

@@ -30,7 +30,8 @@ import torch
 from ..formats import IntFormat
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import QuantizedTensor
-from .standard_dir import StandardFormat, pack_int32
+from .safetensors_format import FileFormatError
+from .standard_dir import StandardFormat, pack_int32, unpack_int32
 
 QUANT_METHOD = "gptq"
 FITTING_PRESETS = ("w4a16", "w4a16_g32", "q4_0", "w8a16", "q8_0")
@@ -118,6 +119,67 @@ class GPTQ(StandardFormat):
         return {"quant_method": QUANT_METHOD, "checkpoint_format": "gptq", "bits": bits, "group_size": group_size,
                 "sym": True, "desc_act": False, "static_groups": False, "true_sequential": True, "lm_head": False,
                 "pack_dtype": "int32", "meta": {"quantizer": [f"fewbits:{__version__}"]}}
+
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_plan(self, path, qc, linears, head, info) -> dict[str, QuantScheme]:
+        """Every Linear layer but the output layer (it too with `lm_head: true`), in the one
+        scheme of `bits` and `group_size`: what transformers' GPTQ loader builds. Symmetric
+        version-1 or -2 checkpoints without per-module overrides."""
+        def bad(why):
+            return FileFormatError(path, f"quantization_config (gptq): {why}")
+        bits, group = qc.get("bits"), qc.get("group_size")
+        if not isinstance(bits, int) or isinstance(bits, bool) or bits not in _BITS:
+            raise bad(f"bits {bits!r}: fewbits reads 4- and 8-bit GPTQ")
+        if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+            raise bad(f"group_size {group!r} is not -1 or a positive integer")
+        if qc.get("sym", True) is not True:
+            raise bad("an asymmetric checkpoint (sym false): fewbits reads symmetric GPTQ")
+        form = qc.get("checkpoint_format", qc.get("format", "gptq"))
+        if form not in ("gptq", "gptq_v2"):
+            raise bad(f"checkpoint_format {form!r} (fewbits reads gptq and gptq_v2)")
+        if qc.get("dynamic"):
+            raise bad("per-module `dynamic` overrides are not read")
+        fmt = f"int{bits}"
+        scheme = next((get_scheme(p) for p in ("w4a16", "w4a16_g32", "w8a16")
+                       if self.scheme_args(p) == {"bits": bits, "group_size": group}), None)
+        if scheme is None:
+            scheme = (QuantScheme(fmt, "channel", scale_format="fp16") if group == -1 else
+                      QuantScheme(fmt, "group", group_size=group, scale_format="fp16"))
+        plan = {}
+        for module, shape in linears.items():
+            if module == head and qc.get("lm_head") is not True:
+                continue
+            why = self.shape_problem(scheme, shape)
+            if why is not None:
+                raise bad(f"{module}: {why}")
+            plan[module] = scheme
+        return plan
+
+    def module_leaves(self, scheme) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales", "g_idx")
+
+    def read_module(self, module, entries, scheme, shape, dtype, qc) -> QuantizedTensor:
+        bits = scheme.format.bits
+        per, half = 32 // bits, 1 << (bits - 1)
+        out_f, in_f = shape
+        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
+        want = {"qweight": ((in_f // per, out_f), torch.int32), "qzeros": ((groups, out_f // per), torch.int32),
+                "scales": ((groups, out_f), torch.float16), "g_idx": ((in_f,), torch.int32)}
+        for leaf, (sh, dt) in want.items():
+            t = entries[leaf]
+            if tuple(t.shape) != sh or t.dtype != dt:
+                raise ValueError(f"{leaf} is {t.dtype} {list(t.shape)}; a {bits}-bit {out_f} x {in_f} layer in "
+                                 f"{groups} group(s) needs {dt} {list(sh)}")
+        size = in_f if groups == 1 else scheme.group_size
+        if not torch.equal(entries["g_idx"].to(torch.int64), torch.arange(in_f) // size):
+            raise ValueError("g_idx is not the inputs' groups in order (act-order checkpoints are not read)")
+        version_1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"  # stores zero points - 1
+        zeros = unpack_int32(entries["qzeros"], bits, out_f) + (1 if version_1 else 0)
+        if not torch.all(zeros == half):
+            raise ValueError(f"zero points other than {half}: not a symmetric checkpoint")
+        values = unpack_int32(entries["qweight"].t(), bits, in_f) - half  # [out, in]
+        return QuantizedTensor.from_int_codes(scheme, shape, dtype, values, entries["scales"].t().to(torch.float32))
 
 
 FORMAT = GPTQ()

@@ -622,9 +622,11 @@ def check_config_values(config_path: str, config: dict | None) -> None:
 
 class HFTensors(Mapping):
     """read_tensors' lazy mapping (see read_tensors). `.config` is config.json's content (or
-    None), `.quantized` {module: (scheme, shape, dtype)}, `.files` the shard paths."""
+    None), `.quantized` {module: (scheme, shape, dtype)}, `.files` the shard paths. foreign:
+    another format's quantized directory (its quantization_config not read here: every tensor
+    is a plain one, whatever its dtype; fewbits.files.standard_dir reads them)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, foreign: bool = False):
         self.directory = d = os.fspath(directory)
         if not os.path.isdir(d):
             if os.path.exists(d):
@@ -636,7 +638,8 @@ class HFTensors(Mapping):
             raise FileFormatError(config_path, "config.json must hold a JSON object")
         check_config_values(config_path, self.config)
         qc = (self.config or {}).get("quantization_config")
-        self.quantized = parse_quantization_config(config_path, qc) if qc is not None else {}
+        self.foreign = foreign
+        self.quantized = parse_quantization_config(config_path, qc) if qc is not None and not foreign else {}
         self._handles: dict[str, object] = {}
         self._records: dict[str, dict] = {}  # shard -> its SHARD_RECORD
         self.files, where = self._shards()
@@ -749,7 +752,7 @@ class HFTensors(Mapping):
         found: dict[str, dict[str, str]] = {m: {} for m in self.quantized}
         for key, path in where.items():
             module, dot, leaf = key.rpartition(f".{QWEIGHT}.")
-            if dot:
+            if dot and not self.foreign:
                 if module not in self.quantized:
                     raise FileFormatError(path, f"{key!r} is a quantized entry of module {module!r}, which the "
                                           "quantization_config does not list" if self.quantized else
@@ -785,7 +788,7 @@ class HFTensors(Mapping):
         seen = set()
         for key in where:  # the names in stored order, each quantized weight once
             module, dot, _ = key.rpartition(f".{QWEIGHT}.")
-            name = f"{module}.weight" if dot else key
+            name = f"{module}.weight" if dot and not self.foreign else key
             if name not in seen:
                 seen.add(name)
                 self._order.append(name)
@@ -928,14 +931,14 @@ def check_fits(model: nn.Module, tensors: HFTensors, names: Mapping[str, str] | 
                               + "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
 
 
-def read_tensors(directory) -> HFTensors:
+def read_tensors(directory, foreign: bool = False) -> HFTensors:
     """A lazy Mapping over a Hugging Face directory's tensors (see the module docstring): float
     tensors under their names, fewbits-quantized weights as QuantizedTensors under "m.weight".
     FileFormatError (naming the file) for a directory without weights, an index naming missing
     shards or tensors not in them, duplicate names across shards, shards not in the index, a bad
     quantization_config, quantized entries missing, extra or of the wrong shape or dtype; codes
-    outside their format when the value is read."""
-    return HFTensors(directory)
+    outside their format when the value is read. foreign: see HFTensors."""
+    return HFTensors(directory, foreign=foreign)
 
 
 __all__ = ["ShardWriter", "read_tensors", "save_pretrained"]

@@ -93,9 +93,10 @@ def register() -> None:
 
 
 def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
-    """A quantized model straight from a fewbits Hugging Face directory, or from a llama GGUF
-    file (its block tensors kept as they are: fewbits.files.gguf_reader), fp32 weights of the
-    quantized layers never materialized.
+    """A quantized model straight from a fewbits Hugging Face directory, from a compressed-tensors
+    or GPTQ directory (their integer codes and scales kept as they are:
+    fewbits.files.standard_dir), or from a llama GGUF file (its block tensors kept as they are:
+    fewbits.files.gguf_reader), fp32 weights of the quantized layers never materialized.
 
     The directory is checked first (read_tensors: nothing is loaded from a bad one). The model
     is then built by transformers from config.json -- the class its `architectures` names,
@@ -107,6 +108,9 @@ def from_pretrained(directory, *, device="cpu", dtype=None) -> nn.Module:
     ...); dtype: the float parameters' dtype (default: config.json's)."""
     if os.path.isfile(directory) and os.fspath(directory).lower().endswith(".gguf"):
         return _from_gguf(directory, device=device, dtype=dtype)
+    standard = _standard_format(directory)
+    if standard is not None:
+        return _from_standard(standard, directory, device=device, dtype=dtype)
     tensors = read_tensors(directory)
     config = tensors.config
     if config is None:
@@ -147,6 +151,38 @@ def _config_error(e: Exception) -> bool:
     kinds = (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError, OverflowError,
              IndexError)
     return isinstance(e, kinds) or type(e).__name__.startswith("StrictDataclass")
+
+
+def _standard_format(directory):
+    """The StandardFormat (compressed-tensors, GPTQ) a directory's config.json names, else None."""
+    from .conversion import STANDARD_FORMATS
+
+    config_path = os.path.join(os.fspath(directory), CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        return None
+    from .hf_dir import _read_json
+    config = _read_json(config_path, "config.json")
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return STANDARD_FORMATS.get(method) if isinstance(method, str) else None
+
+
+def _from_standard(standard, directory, *, device, dtype) -> nn.Module:
+    """A compressed-tensors or GPTQ directory as a fewbits model: its codes and scales become
+    QuantizedTensors as they are (StandardFormat.to_fewbits, which checks the directory first),
+    written to a temporary fewbits directory and loaded from it."""
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="fewbits-standard-")
+    try:
+        converted = standard.to_fewbits(directory, os.path.join(work, "model"))
+        try:
+            return from_pretrained(converted, device=device, dtype=dtype)
+        except FileFormatError as e:  # name the user's directory, not the temporary one
+            raise FileFormatError(os.fspath(directory), e.problem) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _from_gguf(path, *, device, dtype) -> nn.Module:

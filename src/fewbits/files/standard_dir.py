@@ -22,6 +22,7 @@ import torch
 
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import QuantizedTensor
+from .safetensors_format import FileFormatError
 
 # Linear layers that vLLM fuses into one (qkv_proj, gate_up_proj): each group must share one scheme
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -40,6 +41,16 @@ def pack_int32(u: torch.Tensor, bits: int) -> torch.Tensor:
     if sys.byteorder != "little":
         raise RuntimeError("packing int32 words assumes a little-endian machine")
     return u.reshape(-1).view(torch.int32).reshape(rows, -1)  # bytes in order: little-endian words
+
+
+def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """pack_int32's inverse: int32 words [rows, n] -> the unsigned values [rows, count] (int64)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("unpacking int32 words assumes a little-endian machine")
+    b = words.contiguous().view(torch.uint8).reshape(words.shape[0], -1)  # element i at bit i*bits
+    if bits == 4:
+        b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+    return b[:, :count].to(torch.int64)
 
 
 def fused_conflicts(plan: Mapping, linears) -> list[str]:
@@ -107,6 +118,93 @@ class StandardFormat:
             return (f"{in_f} columns are not a whole number of groups of {s.group_size} ({s.label}): "
                     f"{self.name} has no partial last group")
         return None
+
+    # -- reading: a directory in this format (fewbits' or another tool's) as fewbits' own ----------
+    def read_plan(self, path: str, qc: dict, linears: Mapping[str, tuple[int, int]], head: str | None,
+                  info) -> dict[str, QuantScheme]:
+        """{module: scheme} of the quantized Linear layers config.json's quantization_config
+        states, `linears` {name: weight shape} being the model's and `head` its output layer;
+        info(name) -> (shape, dtype) of a stored tensor, from its header (None if there is none).
+        A FileFormatError naming
+        `path` for what this reader does not take."""
+        raise FileFormatError(path, f"fewbits does not read {self.name} directories (it writes them)")
+
+    def module_leaves(self, scheme: QuantScheme) -> tuple[str, ...]:
+        """The names, after "<module>.", of a quantized module's tensors."""
+        raise NotImplementedError
+
+    def read_module(self, module: str, entries: dict[str, torch.Tensor], scheme: QuantScheme, shape,
+                    dtype: torch.dtype, qc: dict) -> QuantizedTensor:
+        """The QuantizedTensor of quantized Linear `module` (weight `shape`) from its entries
+        {leaf: tensor} (qc: the quantization_config); a ValueError saying what is wrong with
+        them."""
+        raise NotImplementedError
+
+    def to_fewbits(self, directory, out, *, overwrite: bool = False) -> str:
+        """Write the directory `directory` in this format as a fewbits Hugging Face directory
+        `out` holding the same codes and scales (QuantizedTensors), for fewbits to load and run.
+        Everything is checked from config.json and the headers before anything is written."""
+        from transformers import AutoConfig
+
+        from .hf_dir import CONFIG_NAME, ShardWriter, read_tensors
+        from .streaming import model_skeleton
+
+        directory = os.fspath(directory)
+        config_path = os.path.join(directory, CONFIG_NAME)
+        tensors = read_tensors(directory, foreign=True)
+        config = dict(tensors.config or {})
+        qc = config.pop("quantization_config", None)
+        if not isinstance(qc, dict) or qc.get("quant_method") != self.name:
+            raise FileFormatError(config_path, f"not a {self.name} directory (quantization_config's quant_method)")
+        try:
+            model = model_skeleton(AutoConfig.from_pretrained(directory))
+        except Exception as e:  # noqa: BLE001 - what transformers makes of a config it cannot build
+            raise FileFormatError(config_path, f"transformers cannot build the model it describes: "
+                                  f"{type(e).__name__}: {e}") from None
+        from torch import nn
+        out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        head = next((n for n, m in model.named_modules() if out_layer is not None and m is out_layer), None)
+        plan = self.read_plan(config_path, qc, linears, head,
+                              lambda name: tensors.info(name)[:2] if name in tensors else None)
+        dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            dtype = torch.float32
+        owner = {}
+        for module, scheme in plan.items():
+            for leaf in self.module_leaves(scheme):
+                name = f"{module}.{leaf}"
+                if name not in tensors:
+                    raise FileFormatError(config_path, f"{module!r} is quantized ({self.name}) but {name!r} is not "
+                                          "in the directory")
+                owner[name] = module
+        for name in tensors:
+            if name not in owner and not self._float_entry(tensors.info(name)[1]):
+                raise FileFormatError(tensors.info(name)[2], f"{name!r} ({tensors.info(name)[1]}) is not a float "
+                                      f"tensor and no quantized layer of the {self.name} config holds it")
+        done = set()
+        with ShardWriter(out, overwrite=overwrite) as w:
+            for name in tensors:
+                module = owner.get(name)
+                if module is None:
+                    w.add(name, tensors[name])
+                elif module not in done:
+                    done.add(module)
+                    scheme = plan[module]
+                    entries = {leaf: tensors[f"{module}.{leaf}"] for leaf in self.module_leaves(scheme)}
+                    try:
+                        qt = self.read_module(module, entries, scheme, linears[module], dtype, qc)
+                    except ValueError as e:
+                        raise FileFormatError(tensors.info(name)[2], f"{module}: {e}") from None
+                    w.add(f"{module}.weight", qt)
+            generation = os.path.join(directory, "generation_config.json")
+            if os.path.isfile(generation):
+                shutil.copyfile(generation, os.path.join(w.tmp_dir, "generation_config.json"))
+            return w.finish(config)
+
+    @staticmethod
+    def _float_entry(dtype) -> bool:
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
     # -- shared ------------------------------------------------------------------------------------
     def fits_hint(self) -> str:

@@ -172,6 +172,52 @@ class QuantizedTensor:
         tensors = {k: torch.empty(sh, dtype=dt, device=device) for k, (sh, dt) in state_shapes(scheme, shape).items()}
         return cls(scheme, shape, dtype, **tensors)
 
+    @classmethod
+    def from_int_codes(cls, scheme, shape, dtype: torch.dtype, values: torch.Tensor, scales: torch.Tensor,
+                       zero_points: torch.Tensor | None = None) -> QuantizedTensor:
+        """The QuantizedTensor of an integer scheme (granularity "channel" along axis 0, or
+        "group" whose groups divide the width) holding these integer values [rows, cols] (int4:
+        -8..7; asymmetric uint4: 0..15), float scales [rows, groups] and, asymmetric, integer zero
+        points [rows, groups]: another format's codes taken as they are (the inverse of int_codes,
+        scale_values and zero_point_values). A ValueError for values or zero points outside the
+        format, or scales the scheme's scale format does not hold exactly."""
+        s = get_scheme(scheme)
+        fmt = s.format
+        if not isinstance(fmt, IntFormat) or s.super_block is not None or s.zero_point == "float" \
+                or s.double_quant or s.granularity not in ("channel", "group") or \
+                (s.granularity == "channel" and s.axis != 0):
+            raise ValueError(f"from_int_codes() takes integer codes with per-row or per-group scales, not {s.label}")
+        rows, cols, pcols, groups = s.layout(shape)
+        if pcols != cols or len(shape) != 2:
+            raise ValueError(f"from_int_codes() takes a matrix whose width is whole groups; {list(shape)} in {s.label}")
+        values = torch.as_tensor(values)
+        if tuple(values.shape) != (rows, cols) or values.dtype.is_floating_point:
+            raise ValueError(f"values must be integers of shape {(rows, cols)}, got {values.dtype} {tuple(values.shape)}")
+        lo, hi = int(fmt.lowest), int(fmt.max)
+        if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+            raise ValueError(f"values outside {fmt.name} ({lo}..{hi}): {int(values.min())}..{int(values.max())}")
+        scales = torch.as_tensor(scales)
+        if tuple(scales.shape) != (rows, groups) or not scales.dtype.is_floating_point:
+            raise ValueError(f"scales must be floats of shape {(rows, groups)}, got {scales.dtype} "
+                             f"{tuple(scales.shape)}")
+        stored = scales.to(sc.SCALE_DTYPES[s.scale_format])
+        if not torch.equal(stored.to(torch.float64), scales.to(torch.float64)):
+            raise ValueError(f"scales that {s.scale_format} does not hold exactly")
+        codes = encode(values.reshape(-1).to(torch.float64), fmt).to(torch.uint8)
+        parts = {"scales": stored.contiguous()}
+        if not s.symmetric:
+            if zero_points is None:
+                raise ValueError(f"{s.label} is asymmetric: zero points are needed")
+            zero_points = torch.as_tensor(zero_points)
+            if tuple(zero_points.shape) != (rows, groups) or zero_points.dtype.is_floating_point:
+                raise ValueError(f"zero points must be integers of shape {(rows, groups)}")
+            if zero_points.numel() and (int(zero_points.min()) < lo or int(zero_points.max()) > hi):
+                raise ValueError(f"zero points outside {fmt.name} ({lo}..{hi})")
+            parts["zero_points"] = pack(zero_points.reshape(-1).to(torch.uint8), fmt.bits, order=_PACK_ORDER)
+        elif zero_points is not None:
+            raise ValueError(f"{s.label} is symmetric: no zero points")
+        return cls(s, shape, dtype, pack(codes, fmt.bits, order=_PACK_ORDER), **parts)
+
     # --- views ------------------------------------------------------------------------------
     @property
     def numel(self) -> int:
