@@ -101,20 +101,60 @@ def test_unpacked_weights_equal_fewbits_dequantized_weights(base, tmp_path, sche
 
 
 @pytest.mark.parametrize("rules, why", [
-    ("w4a16_g32", "output layer 'lm_head' is quantized"),
-    ({"lm_head": None, "*.mlp.*": "w8a16", "*": "w4a16_g32"}, "one scheme for all layers.*compressed-tensors"),
+    ("w4a16_g32", r"'lm_head' lies outside the decoder blocks \(model\.layers\.\*\)"),
+    ({"lm_head": None, "*.mlp.*": "w8a16", "*": "w4a16_g32"}, "one bits and group_size for all layers.*compressed"),
     ({"lm_head": None, "*.o_proj": None, "*": "w4a16_g32"}, "'model.layers.0.self_attn.o_proj' would stay in float"),
 ])
 def test_what_transformers_would_read_as_random_weights_is_refused(base, tmp_path, rules, why):
     """transformers' GPTQ loader (optimum + GPTQModel) quantizes every Linear of the decoder blocks
-    with one config and leaves lm_head in float, ignoring `lm_head: true` and the per-module
-    `dynamic` overrides: anything else would load as random weights, silently."""
+    with one config and leaves the layers outside them in float, ignoring `lm_head: true` and the
+    per-module `dynamic` overrides: anything else would load as random weights, silently."""
     model = fb.quantize_model(copy.deepcopy(base), rules)
     src = tmp_path / "fewbits"
     fb.save_pretrained(model, src)
     with pytest.raises(ValueError, match=why):
         gq.write_gptq(tmp_path / "gptq", read_tensors(src))
     assert not (tmp_path / "gptq").exists()
+
+
+def test_q4_0_and_w4a16_g32_store_alike_and_mix(base, tmp_path):
+    model = fb.quantize_model(copy.deepcopy(base), {"lm_head": None, "*.mlp.*": "q4_0", "*": "w4a16_g32"})
+    states = _module_states(_export(model, tmp_path))
+    for name, m in _quantized(model).items():
+        assert torch.equal(_unpack_gptq(states[name], 4), m.qweight.dequantize(torch.float32)), name
+
+
+@pytest.mark.parametrize("kind", ["opt", "classifier", "bert"])
+def test_layers_outside_the_decoder_blocks_stay_in_float_or_are_refused(tmp_path, kind):
+    """transformers' GPTQ loader quantizes only under the blocks' prefix: OPT's project_in/out and
+    a classifier's score stay in float in what fewbits writes; a model without decoder blocks
+    (BERT) is refused before any work."""
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    if kind == "opt":
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(
+            hidden_size=128, ffn_dim=256, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
+            word_embed_proj_dim=64))
+        outside = {"model.decoder.project_in", "model.decoder.project_out", "lm_head"}
+    elif kind == "classifier":
+        model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, num_labels=8, pad_token_id=0))
+        outside = {"score"}
+    else:
+        model = transformers.BertModel(transformers.BertConfig(hidden_size=128, intermediate_size=256,
+                                                               num_hidden_layers=1, num_attention_heads=4,
+                                                               vocab_size=128))
+    model.save_pretrained(src)
+    if kind == "bert":
+        with pytest.raises(ValueError, match="has none .*BERT.*compressed-tensors"):
+            convert(src, tmp_path / "out", "w4a16_g32", format="gptq")
+        assert not (tmp_path / "out").exists()
+        return
+    convert(src, tmp_path / "out", "w4a16_g32", format="gptq")
+    states = _module_states(tmp_path / "out")
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(states) == linears - outside and outside <= linears
 
 
 def test_a_tied_model_keeps_its_float_head_tied(tmp_path):
@@ -161,8 +201,8 @@ def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
     cases = [("w4a16", {}, "96 columns are not a whole number of groups of 128.*presets that fit a 96 x 96 weight: "
                            "w4a16_g32, q4_0, w8a16, q8_0"),
              ("int4_g32", {}, "fp16"),
-             ({"*.mlp.*": "w8a16", "*": "w4a16_g32"}, {}, r"'lm_head' is quantized.*\{'lm_head': None\}"),
-             ({"lm_head": None, "*.mlp.*": "w8a16", "*": "w4a16_g32"}, {}, "holds one scheme"),
+             ({"*.mlp.*": "w8a16", "*": "w4a16_g32"}, {}, r"'lm_head' lies outside the decoder blocks"),
+             ({"lm_head": None, "*.mlp.*": "w8a16", "*": "w4a16_g32"}, {}, "holds one bits and group_size"),
              ("w4a16_g32", {"embeddings": True, "tied": "untie"}, "model.embed_tokens.*Embedding")]
     for scheme, options, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -223,3 +263,16 @@ def test_gptqmodel_loads_it_through_transformers(tmp_path, scheme):
     with torch.no_grad():
         ours = model(torch.tensor([[1, 5, 9, 33, 70]])).logits
     assert torch.allclose(read["logits"], ours, atol=2e-3, rtol=1e-3)  # float16 weights in GPTQModel
+
+
+def test_the_cli_plan_refuses_untie_budget_and_embeddings_first(tmp_path):
+    from fewbits.study.quantization import conversion_plan
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)  # no tokenizer: --budget's refusal must come before it is needed
+    with pytest.raises(ValueError, match="--tied untie quantizes the output layer, which --format gptq keeps"):
+        conversion_plan(str(src), "w4a16_g32", "gptq", tied="untie")
+    with pytest.raises(ValueError, match="--format gptq holds one scheme only"):
+        conversion_plan(str(src), None, "gptq", budget=5)
+    with pytest.raises(ValueError, match="no --embeddings"):
+        conversion_plan(str(src), "w4a16_g32", "gptq", embeddings=True)
+    assert conversion_plan(str(src), "w4a16_g32", "gptq")["rules"] == "w4a16_g32"  # convert() applies it to the blocks

@@ -11,7 +11,7 @@ formats, streamed from disk (fewbits.files.streaming):
   work;
 - "gptq": a Hugging Face directory in the GPTQ checkpoint format (v1, symmetric), which vLLM,
   SGLang, TGI, ExLlama and GPTQModel load: one scheme with an exact GPTQ form for every Linear
-  layer but the output layer, which stays in float (a scheme given alone is applied so;
+  layer of the decoder blocks, the others in float (a scheme given alone is applied so;
   fewbits.files.gptq_format), checked before any work;
 - "bitsandbytes": a Hugging Face directory in bitsandbytes' 4-bit layout, which transformers loads
   with bitsandbytes installed (nf4; fewbits.files.bnb_format);
@@ -143,14 +143,15 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
     if fmt == "gguf":
         check_gguf_source(source)
-    if fmt in STANDARD_FORMATS and STANDARD_FORMATS[fmt].one_scheme_head_in_float and \
-            not isinstance(scheme_or_rules, Mapping):
+    if fmt in STANDARD_FORMATS and embeddings:
+        raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float "
+                         "(model.embed_tokens and the like are Embedding layers): no --embeddings")
+    if fmt in STANDARD_FORMATS and not isinstance(scheme_or_rules, Mapping):
         from transformers import AutoConfig
 
         from .standard_dir import linear_layers
-        _, head = linear_layers(AutoConfig.from_pretrained(source))
-        if head is not None:  # one scheme for every Linear layer but the output layer, in float
-            scheme_or_rules = {head: None, "*": scheme_or_rules}
+        linears, head = linear_layers(AutoConfig.from_pretrained(source))
+        scheme_or_rules = STANDARD_FORMATS[fmt].default_rules(scheme_or_rules, linears, head)
     check = check_gguf_plan if fmt == "gguf" else STANDARD_FORMATS[fmt].check_plan if fmt in STANDARD_FORMATS \
         else None
     if fmt == "hf":

@@ -16,10 +16,11 @@ so that the readers' dequantization (u - zero) * scale = q * scale is fewbits' o
 compute it in float16, rounding fewbits' float32 product once). Only symmetric signed 4- and 8-bit
 integers under fp16 scales, per group or per output channel, fit (the w4a16, w4a16_g32, w8a16, q4_0
 and q8_0 presets): vLLM's GPTQ kernels are symmetric-only, the format keeps scales in fp16, and it
-quantizes weights alone. One scheme holds every Linear layer but the output layer, which stays in
-float: transformers (through optimum and GPTQModel) quantizes every Linear of the decoder blocks
-with the one config and reads a quantized lm_head, a float layer or GPTQModel's per-module
-`dynamic` overrides as random weights, without an error. Mixed plans go to compressed-tensors.
+quantizes weights alone. One scheme holds every Linear layer of the decoder blocks, and the
+layers outside them (the output layer, a classifier, projections) stay in float: transformers
+(through optimum and GPTQModel) quantizes the Linear layers under the blocks' prefix with the one
+config and reads a quantized lm_head, a float layer there or GPTQModel's per-module `dynamic`
+overrides as random weights, without an error. Mixed plans go to compressed-tensors.
 """
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ from .standard_dir import StandardFormat, pack_int32, unpack_int32
 QUANT_METHOD = "gptq"
 FITTING_PRESETS = ("w4a16", "w4a16_g32", "q4_0", "w8a16", "q8_0")
 _BITS = (4, 8)
+# where optimum's GPTQ loader looks for the decoder blocks, in its order (optimum.gptq.constants)
+_BLOCK_PATTERNS = ("transformer.h", "model.decoder.layers", "gpt_neox.layers", "model.layers",
+                   "model.language_model.layers", "h", "decoder.layers", "layers")
+
+
+def block_prefix(names) -> str | None:
+    """The decoder blocks' prefix among these module names, found as transformers' GPTQ loader
+    finds it: the first pattern any name starts with."""
+    names = list(names)
+    return next((p for p in _BLOCK_PATTERNS if any(n.startswith(p) for n in names)), None)
 
 
 def _group_size(s: QuantScheme) -> int:
@@ -46,7 +57,40 @@ class GPTQ(StandardFormat):
     name = QUANT_METHOD
     fitting_presets = FITTING_PRESETS
     budget_candidates = ()  # one scheme for every layer: nothing to choose per layer
-    one_scheme_head_in_float = True
+    keeps_head_in_float = True
+
+    def layout_problem(self, plan, linears, head) -> str | None:
+        """What transformers' GPTQ loader (optimum + GPTQModel) reads is every Linear layer under
+        the decoder blocks (block_prefix), all of one bits and group_size; everything else in
+        float. It ignores `lm_head: true` and per-module `dynamic` overrides, and reads anything
+        else as random weights without an error."""
+        prefix = block_prefix(linears)
+        if prefix is None:
+            return ("transformers' GPTQ loader quantizes the Linear layers of decoder blocks under "
+                    f"{', '.join(_BLOCK_PATTERNS[:5])}, ..., and this model has none (an encoder such as BERT: "
+                    "write compressed-tensors)")
+        inside = {n for n in linears if n.startswith(prefix + ".")}
+        outside = sorted(set(plan) - inside)
+        if outside:
+            return (f"{outside[0]!r}" + (f" and {len(outside) - 1} more lie" if len(outside) > 1 else " lies")
+                    + f" outside the decoder blocks ({prefix}.*), which transformers' GPTQ loader reads as float "
+                    "layers (random weights): leave them in float (a scheme given alone is applied to "
+                    f"{prefix}.* only)")
+        floats = sorted(inside - set(plan))
+        if floats:
+            return (f"{floats[0]!r}" + (f" and {len(floats) - 1} more Linear layers" if len(floats) > 1 else "")
+                    + f" would stay in float, and transformers' GPTQ loader quantizes every Linear layer under "
+                    f"{prefix} (reading a float one as random weights); compressed-tensors lists them in `ignore`")
+        kinds = {tuple(self.scheme_args(s).values()) for s in plan.values()}
+        if len(kinds) > 1:
+            labels = sorted({get_scheme(s).label for s in plan.values()})
+            return (f"GPTQ holds one bits and group_size for all layers, this plan has {len(kinds)} "
+                    f"({', '.join(labels)}); compressed-tensors holds mixed plans")
+        return None
+
+    def default_rules(self, scheme, linears, head):
+        prefix = block_prefix(linears)
+        return {f"{prefix}.*": scheme} if prefix is not None else scheme
 
     def scheme_args(self, scheme) -> dict:
         """{"bits", "group_size"} of a fewbits scheme in GPTQ, or a ValueError saying why GPTQ has
@@ -123,9 +167,9 @@ class GPTQ(StandardFormat):
 
     # -- reading ---------------------------------------------------------------------------------
     def read_plan(self, path, qc, linears, head, info) -> dict[str, QuantScheme]:
-        """Every Linear layer but the output layer (it too with `lm_head: true`), in the one
-        scheme of `bits` and `group_size`: what transformers' GPTQ loader builds. Symmetric
-        version-1 or -2 checkpoints without per-module overrides."""
+        """Every Linear layer under the decoder blocks (and the output layer with `lm_head:
+        true`), in the one scheme of `bits` and `group_size`: what transformers' GPTQ loader
+        builds. Symmetric version-1 or -2 checkpoints without per-module overrides."""
         def bad(why):
             return FileFormatError(path, f"quantization_config (gptq): {why}")
         bits, group = qc.get("bits"), qc.get("group_size")
@@ -146,9 +190,11 @@ class GPTQ(StandardFormat):
         if scheme is None:
             scheme = (QuantScheme(fmt, "channel", scale_format="fp16") if group == -1 else
                       QuantScheme(fmt, "group", group_size=group, scale_format="fp16"))
+        prefix = block_prefix(linears)
         plan = {}
         for module, shape in linears.items():
-            if module == head and qc.get("lm_head") is not True:
+            inside = prefix is not None and module.startswith(prefix + ".")
+            if not inside and not (module == head and qc.get("lm_head") is True):
                 continue
             why = self.shape_problem(scheme, shape)
             if why is not None:

@@ -81,6 +81,10 @@ def linear_layers(config) -> tuple[set[str], str | None]:
     return names, next((n for n, m in model.named_modules() if head is not None and m is head), None)
 
 
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'AEIOU' else 'a'} {word}"
+
+
 class StandardFormat:
     """One standard directory format (see the module docstring). Subclasses set `name` (the
     --format value), `fitting_presets` and `budget_candidates`, and define scheme_args,
@@ -90,10 +94,7 @@ class StandardFormat:
     name: str = ""
     fitting_presets: tuple[str, ...] = ()
     budget_candidates: tuple[str, ...] = ()  # what --budget chooses among, per layer
-    # one scheme for every Linear layer but the output layer, which stays in float (what
-    # transformers' loader of the format can read: it quantizes every Linear of the decoder blocks,
-    # with one config)
-    one_scheme_head_in_float: bool = False
+    keeps_head_in_float = False  # the output layer is never quantized (--tied untie is refused)
 
     # -- what a subclass defines ---------------------------------------------------------------
     def scheme_args(self, scheme) -> dict:
@@ -236,24 +237,13 @@ class StandardFormat:
 
     def layout_problem(self, plan: Mapping, linears, head: str | None) -> str | None:
         """Why the format cannot hold this plan ({module: scheme}) of a model whose Linear layers
-        are `linears` and output layer `head` as a whole, or None."""
-        if not self.one_scheme_head_in_float:
-            return None
-        if head is not None and head in plan:
-            return (f"the output layer {head!r} is quantized, and transformers' {self.name} loader reads it as a "
-                    "float layer (random weights): leave it in float (a first rule {" + repr(head) + ": None}; a scheme "
-                    "given alone is applied so)")
-        labels = sorted({get_scheme(s).label for s in plan.values()})
-        if len(labels) > 1:
-            return (f"{self.name} holds one scheme for all layers, this plan has {len(labels)} ({', '.join(labels)}); "
-                    "compressed-tensors holds mixed plans")
-        floats = sorted(set(linears) - set(plan) - {head})
-        if floats:
-            return (f"{floats[0]!r}" + (f" and {len(floats) - 1} more Linear layers" if len(floats) > 1 else "")
-                    + f" would stay in float, and transformers' {self.name} loader quantizes every Linear layer "
-                    "but the output layer (reading a float one as random weights); compressed-tensors lists them "
-                    "in `ignore`")
+        are `linears` and output layer `head` as a whole, or None (any plan, by default)."""
         return None
+
+    def default_rules(self, scheme, linears, head: str | None):
+        """The rules a scheme given alone stands for in this format (by default: itself, for
+        every Linear layer)."""
+        return scheme
 
     def _named(self, module: str, e: ValueError) -> ValueError:
         return ValueError(f"--format {self.name}: {e}" + ("" if module in str(e) else f" (layer {module!r})"))
@@ -274,7 +264,7 @@ class StandardFormat:
             m = model.get_submodule(module)
             try:
                 if not isinstance(m, nn.Linear):
-                    raise ValueError(f"{self.name} quantizes Linear layers; {module!r} is a {type(m).__name__} "
+                    raise ValueError(f"{self.name} quantizes Linear layers; {module!r} is {_a(type(m).__name__)} "
                                      "(leave the embeddings in float: no --embeddings)")
                 self.check_module(module, scheme, tuple(m.weight.shape))
             except ValueError as e:

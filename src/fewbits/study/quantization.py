@@ -243,6 +243,9 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     if fmt == "gguf" and (embeddings or tied is not None):
         raise ValueError("embeddings and tied go with the hf and fewbits formats: for GGUF the recipe gives the "
                          "token embedding its type")
+    from ..files.conversion import STANDARD_FORMATS
+    if fmt in STANDARD_FORMATS and embeddings:
+        raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float: no --embeddings")
     if fmt != "gguf" and embeddings and (tied or "keep") == "keep" and _ties_embeddings(source):
         raise ValueError(f"{source}: the token embedding is the output layer's weight too (tie_word_embeddings), "
                          "so quantizing the embedding with tied 'keep' (--tied keep, the default) leaves both in "
@@ -253,6 +256,12 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     if fmt == "gguf":  # an architecture, config or tokenizer the GGUF writer refuses: before any work
         from ..files.conversion import check_gguf_source
         check_gguf_source(source)
+    standard = STANDARD_FORMATS.get(fmt)
+    if standard is not None and standard.keeps_head_in_float and tied == "untie":
+        raise ValueError(f"--tied untie quantizes the output layer, which --format {fmt} keeps in float")
+    if budget is not None and standard is not None and not standard.budget_candidates:
+        raise ValueError(f"--budget chooses a scheme per layer, and --format {fmt} holds one scheme only "
+                         f"({', '.join(standard.fitting_presets)}): give --scheme instead")
     if budget is not None:
         _need_tokenizer(source, "--budget (measuring each layer's sensitivity)")
         config = AutoConfig.from_pretrained(source)
@@ -260,17 +269,13 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
             rows = {getattr(config, "hidden_size", 0), getattr(config, "intermediate_size", 0)}
             candidates = GGUF_BUDGET_CANDIDATES if all(r and r % 256 == 0 for r in rows) else GGUF_LEGACY_CANDIDATES
         else:
-            from ..files.conversion import STANDARD_FORMATS
-            own = STANDARD_FORMATS[fmt].budget_candidates if fmt in STANDARD_FORMATS else BUDGET_CANDIDATES
-            if not own:
-                raise ValueError(f"--budget chooses a scheme per layer, and --format {fmt} holds one scheme only "
-                                 f"({', '.join(STANDARD_FORMATS[fmt].fitting_presets)}): give --scheme instead")
+            own = standard.budget_candidates if standard is not None else BUDGET_CANDIDATES
             candidates = (name,) + own if name else own
-            if fmt in STANDARD_FORMATS:  # the schemes the format holds on every layer's shape
+            if standard is not None:  # the schemes the format holds on every layer's shape
                 from ..files.streaming import model_skeleton
                 shapes = {tuple(m.weight.shape) for m in model_skeleton(config).modules()
                           if isinstance(m, torch.nn.Linear)}
-                candidates = tuple(c for c in candidates if STANDARD_FORMATS[fmt].fits(c, shapes))
+                candidates = tuple(c for c in candidates if standard.fits(c, shapes))
                 if not candidates:
                     raise ValueError(f"--budget with --format {fmt}: no candidate scheme fits every layer shape "
                                      f"({', '.join('x'.join(map(str, s)) for s in sorted(shapes))})")
