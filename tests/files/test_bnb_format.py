@@ -17,17 +17,10 @@ import torch
 import fewbits as fb
 from fewbits.files import bnb_format
 from fewbits.files.conversion import convert, formats_for
-from fewbits.files.hf_dir import read_tensors
+from standard_dirs import export, narrow_llama_dir, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("bitsandbytes")
-
-
-def tiny_llama(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128), **kw})
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 # plain transformers + bitsandbytes, without fewbits: each Linear4bit's weight as bitsandbytes
@@ -60,10 +53,7 @@ def _read_with_bitsandbytes(directory, tmp_path) -> dict:
 
 
 def _export(model, tmp_path):
-    src, out = tmp_path / "fewbits", tmp_path / "bnb"
-    fb.save_pretrained(model, src)
-    bnb_format.write_bitsandbytes(out, read_tensors(src))
-    return out
+    return export(model, tmp_path, bnb_format.FORMAT)
 
 
 def test_bitsandbytes_dequantizes_fewbits_nf4_weights_bit_for_bit(tmp_path):
@@ -108,13 +98,7 @@ def test_schemes_without_an_exact_form_are_refused(scheme, why):
 
 
 def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64)
-    src = tmp_path / "src"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
-    from fewbits.files import hf_dir
-    monkeypatch.setattr(hf_dir, "ShardWriter", None)  # nothing may be written before the checks
+    src = narrow_llama_dir(tmp_path, monkeypatch)
     for scheme, message in [("nf4", "96 columns are not a whole number of groups of 64.*presets that fit a 96 x 96 "
                                     "weight: none"), ("nf4_dq", "double-quantizes")]:
         with pytest.raises(ValueError, match=message):

@@ -17,17 +17,11 @@ import torch
 import fewbits as fb
 from fewbits.files import compressed_tensors as ct
 from fewbits.files.conversion import convert
-from fewbits.files.hf_dir import read_tensors
+from standard_dirs import export, narrow_llama_dir, tiny_llama
+from standard_dirs import quantized_modules as _quantized
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +30,7 @@ def base():
 
 
 def _export(model, tmp_path):
-    src, out = tmp_path / "fewbits", tmp_path / "ct"
-    fb.save_pretrained(model, src)
-    ct.write_compressed_tensors(out, read_tensors(src))
-    return out
+    return export(model, tmp_path, ct.FORMAT)
 
 
 def _load(out):
@@ -67,10 +58,6 @@ def _decompressed(out) -> dict:
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
             weights[module] = compressor.decompress(state, scheme)["weight"]
     return weights
-
-
-def _quantized(model):
-    return {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
 
 
 @pytest.mark.parametrize("scheme", ct.FITTING_PRESETS)
@@ -167,13 +154,7 @@ def test_an_untied_quantized_head_of_a_tied_model_is_written_untied(tmp_path):
 
 
 def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64)
-    src = tmp_path / "src"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
-    from fewbits.files import hf_dir
-    monkeypatch.setattr(hf_dir, "ShardWriter", None)  # nothing may be written before the checks
+    src = narrow_llama_dir(tmp_path, monkeypatch)
     cases = [("int4", {}, "96 columns are not a whole number of groups of 128.*presets that fit a 96 x 96 weight: "
                           "int4_g32, int4_asym_g32, int4_channel, q4_0, w4a16_g32, int8"),
              ("nf4", {}, "nf4 codes"),

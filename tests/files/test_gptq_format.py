@@ -21,15 +21,10 @@ import fewbits as fb
 from fewbits.files import gptq_format as gq
 from fewbits.files.conversion import convert, formats_for
 from fewbits.files.hf_dir import read_tensors
+from standard_dirs import export, narrow_llama_dir, tiny_llama
+from standard_dirs import quantized_modules as _quantized
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128), **kw})
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +33,7 @@ def base():
 
 
 def _export(model, tmp_path):
-    src, out = tmp_path / "fewbits", tmp_path / "gptq"
-    fb.save_pretrained(model, src)
-    gq.write_gptq(out, read_tensors(src))
-    return out
-
-
-def _quantized(model):
-    return {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
+    return export(model, tmp_path, gq.FORMAT)
 
 
 def _unpack_gptq(state: dict, bits: int) -> torch.Tensor:
@@ -191,13 +179,7 @@ def test_shapes_that_do_not_pack_are_refused():
 
 
 def test_conversion_refuses_before_any_work(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64)
-    src = tmp_path / "src"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
-    from fewbits.files import hf_dir
-    monkeypatch.setattr(hf_dir, "ShardWriter", None)  # nothing may be written before the checks
+    src = narrow_llama_dir(tmp_path, monkeypatch)
     cases = [("w4a16", {}, "96 columns are not a whole number of groups of 128.*presets that fit a 96 x 96 weight: "
                            "w4a16_g32, q4_0, w8a16, q8_0"),
              ("int4_g32", {}, "fp16"),

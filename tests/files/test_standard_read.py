@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 
 import pytest
 import torch
@@ -19,15 +18,10 @@ from fewbits.files import gptq_format as gq
 from fewbits.files.hf_dir import read_tensors
 from fewbits.files.hf_quantizer import from_pretrained
 from fewbits.files.safetensors_format import FileFormatError
+from standard_dirs import export, tiny_llama
+from standard_dirs import quantized_modules as _quantized
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128), **kw})
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +29,8 @@ def base():
     return tiny_llama()
 
 
-def _quantized(model):
-    return {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
-
-
 def _write(model, tmp_path, fmt):
-    src, out = tmp_path / "fewbits", tmp_path / fmt.name
-    fb.save_pretrained(model, src)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # mixed plans warn that vLLM would refuse them
-        fmt.write(out, read_tensors(src))
-    return out
+    return export(model, tmp_path, fmt, quiet=True)  # mixed plans warn that vLLM would refuse them
 
 
 def _same_weights(read, model):
