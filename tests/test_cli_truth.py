@@ -208,6 +208,24 @@ def test_generate_refuses_a_scheme_on_a_quantized_model(int4_dir, q4k_gguf):
     assert rc == 0 and json.loads(out)["scheme"] is None, err
 
 
+@pytest.mark.parametrize("fmt, scheme", [("gptq", "w4a16_g32"), ("compressed-tensors", "int4_asym_g32")])
+def test_generate_runs_what_quantize_writes_in_a_standard_format(src, tmp_path, fmt, scheme):
+    """`fewbits generate` reads a GPTQ or compressed-tensors directory as it is (fewbits' kernels),
+    the same tokens as the fewbits directory of the same scheme."""
+    outs = {}
+    for f in (fmt, "hf"):
+        path = tmp_path / f
+        rc, _, err = run(["quantize", str(src), "--scheme", scheme, "--format", f, "--out", str(path), "--quiet"])
+        assert rc == 0, err
+        if f == fmt:
+            assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"] == f
+        rc, out, err = run(["generate", str(path), "--prompt", "the cat", "--max-new-tokens", "6", "--quiet", "--json"])
+        assert rc == 0, err
+        outs[f] = json.loads(out)
+    assert f"({fmt}, read by fewbits)" in outs[fmt]["model"]
+    assert outs[fmt]["text"] == outs["hf"]["text"] and outs[fmt]["path"] == outs["hf"]["path"]
+
+
 def test_generate_reports_the_canonical_scheme(src):
     rc, out, err = run(["generate", str(src), "--scheme", "INT-8", "--prompt", "the", "--max-new-tokens", "2",
                         "--quiet", "--json"])

@@ -134,11 +134,13 @@ def _causal_lm(spec: str):
     from ..files.hf_dir import read_tensors
     # config.json's values, the shards, the index and the layer count checked before transformers
     # reads any of it (the tokenizer builds the config too)
-    read_tensors(path, foreign=quant in STANDARD_FORMATS).close()
+    standard = STANDARD_FORMATS.get(quant) if isinstance(quant, str) else None
+    readable = standard is not None and standard.reads
+    read_tensors(path, foreign=standard is not None).close()
     tokenizer = _load_part(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
     if quant == "fewbits":
         return from_pretrained(path), tokenizer, f"{path} (fewbits-quantized)"
-    if quant in STANDARD_FORMATS:  # its codes and scales as they are, in fewbits' kernels
+    if readable:  # its codes and scales as they are, in fewbits' kernels
         return from_pretrained(path), tokenizer, f"{path} ({quant}, read by fewbits)"
     model, info = _load_part(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype="float32", local_files_only=True, output_loading_info=True))

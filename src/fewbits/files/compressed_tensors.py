@@ -55,6 +55,7 @@ def _offset_codes(values: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
 class CompressedTensors(StandardFormat):
     name = QUANT_METHOD
     fitting_presets = FITTING_PRESETS
+    reads = True
     budget_candidates = ("int8", "int4_g32", "int4")
 
     def scheme_args(self, scheme) -> dict:

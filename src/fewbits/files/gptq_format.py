@@ -56,6 +56,7 @@ def _group_size(s: QuantScheme) -> int:
 class GPTQ(StandardFormat):
     name = QUANT_METHOD
     fitting_presets = FITTING_PRESETS
+    reads = True
     budget_candidates = ()  # one scheme for every layer: nothing to choose per layer
     keeps_head_in_float = True
 

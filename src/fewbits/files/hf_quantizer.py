@@ -154,7 +154,8 @@ def _config_error(e: Exception) -> bool:
 
 
 def _standard_format(directory):
-    """The StandardFormat (compressed-tensors, GPTQ) a directory's config.json names, else None."""
+    """The StandardFormat fewbits reads (compressed-tensors, GPTQ) that a directory's config.json
+    names, else None."""
     from .conversion import STANDARD_FORMATS
 
     config_path = os.path.join(os.fspath(directory), CONFIG_NAME)
@@ -164,7 +165,8 @@ def _standard_format(directory):
     config = _read_json(config_path, "config.json")
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    return STANDARD_FORMATS.get(method) if isinstance(method, str) else None
+    standard = STANDARD_FORMATS.get(method) if isinstance(method, str) else None
+    return standard if standard is not None and standard.reads else None
 
 
 def _from_standard(standard, directory, *, device, dtype) -> nn.Module:

@@ -95,6 +95,7 @@ class StandardFormat:
     fitting_presets: tuple[str, ...] = ()
     budget_candidates: tuple[str, ...] = ()  # what --budget chooses among, per layer
     keeps_head_in_float = False  # the output layer is never quantized (--tied untie is refused)
+    reads = False  # whether to_fewbits reads the format (read_plan, module_leaves, read_module)
 
     # -- what a subclass defines ---------------------------------------------------------------
     def scheme_args(self, scheme) -> dict:
