@@ -289,11 +289,9 @@ def check_weights(directory: str, model) -> dict:
             with safe_open(os.path.join(directory, name), "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
     worst, layers, problems = 0.0, 0, []
-    if qc["quant_method"] == "gptq":
-        overrides = {p[2:]: o for p, o in (qc.get("dynamic") or {}).items() if p.startswith("+:")}
+    if qc["quant_method"] == "gptq":  # one bits for every quantized layer
         for key in sorted(k for k in tensors if k.endswith(".qweight")):
-            module = key.removesuffix(".qweight")
-            bits = next((o.get("bits", qc["bits"]) for p, o in overrides.items() if re.match(p, module)), qc["bits"])
+            module, bits = key.removesuffix(".qweight"), qc["bits"]
             layer = model.get_submodule(module)
             if not hasattr(layer, "qweight"):
                 problems.append(f"{module}: float in fewbits' model")
@@ -406,12 +404,12 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from fewbits.files.conversion import STANDARD_FORMATS
+    from fewbits.files.standard_formats import STANDARD_FORMATS
     from fewbits.hardware import machine_info
     from fewbits.models import smollm2_directory
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    refused = [s for s in schemes if split_entry(s)[0] not in STANDARD_FORMATS
+    refused = [s for s in schemes if split_entry(s)[0] not in ("compressed-tensors", "gptq")
                or not STANDARD_FORMATS[split_entry(s)[0]].fits(split_entry(s)[1])]
     if refused:
         print(f"bench_vllm.py: not compressed-tensors (S) or GPTQ (gptq:S) schemes (fewbits quantize --list): "

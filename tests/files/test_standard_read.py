@@ -154,3 +154,61 @@ def test_compressed_tensors_the_reader_does_not_take_are_refused(base, tmp_path,
     with pytest.raises(FileFormatError, match=why):
         from_pretrained(out)
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "int4_asym_g32", "int8", "int8_asym", "q4_0", "w8a16", "int4_channel"])
+def test_from_int_codes_holds_what_quantize_stores(scheme):
+    from fewbits.quant.tensor import QuantizedTensor, quantize
+    qt = quantize(torch.randn(24, 96) * 3, scheme)
+    back = QuantizedTensor.from_int_codes(scheme, qt.shape, qt.dtype, qt.int_codes(), qt.scale_values(),
+                                          qt.zero_point_values())
+    assert back.state_dict().keys() == qt.state_dict().keys()
+    for key, value in qt.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda v, s, z: (v + 8, s, z), "values outside int4"),
+    (lambda v, s, z: (v, s.masked_fill(s > s.median(), float("nan")), z), "not finite"),
+    (lambda v, s, z: (v, s * (1 + 2 ** -20), z), "fp16 does not hold exactly"),
+    (lambda v, s, z: (v.float(), s, z), "values must be integers"),
+])
+def test_from_int_codes_refuses_what_the_scheme_cannot_hold(change, why):
+    from fewbits.quant.tensor import QuantizedTensor, quantize
+    qt = quantize(torch.randn(8, 64), "w4a16_g32")
+    v, s, z = change(qt.int_codes(), qt.scale_values(), None)
+    with pytest.raises(ValueError, match=why):
+        QuantizedTensor.from_int_codes("w4a16_g32", qt.shape, qt.dtype, v, s, z)
+
+
+def test_odd_widths_read_back_in_compressed_tensors(tmp_path):
+    """100 inputs and 100 outputs: neither a multiple of the 8 codes of an int32 word, the last word
+    padded, zero points packed along the outputs."""
+    model = tiny_llama(hidden_size=100, intermediate_size=200, num_attention_heads=2)
+    rules = {"*.mlp.*": fb.QuantScheme("uint4", "channel", symmetric=False), "*": "int8_asym"}
+    model = fb.quantize_model(model, rules)
+    out = _write(model, tmp_path, ct.FORMAT)
+    _same_weights(read_tensors(ct.FORMAT.to_fewbits(out, tmp_path / "back")), model)
+
+
+def _ct_dir(base, tmp_path):
+    model = fb.quantize_model(copy.deepcopy(base), "int4_g32")
+    return _write(model, tmp_path, ct.FORMAT)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"config": lambda qc: qc["config_groups"]["group_0"].update(targets=["re:("])}, "does not compile"),
+    ({"config": lambda qc: qc["config_groups"]["group_0"].update(targets=["re:(.*)*(.*)*x$"])}, "nests quantifiers"),
+    ({"config": lambda qc: qc.update(ignore=[7])}, "ignore entry 7 is not a string"),
+    ({"tensors": lambda t: t.update({f"{PROJ}.weight": torch.zeros(128, 128)})}, "two weights for one layer"),
+    ({"tensors": lambda t: t.update({f"{PROJ}.weight_scale": t[f"{PROJ}.weight_scale"] * float("inf")})},
+     "not finite"),
+    ({"tensors": lambda t: t.update({f"{PROJ}.weight_packed": t[f"{PROJ}.weight_packed"].float()})},
+     "weight_packed is torch.float32"),
+])
+def test_what_the_compressed_tensors_reader_does_not_take_is_refused_before_writing(base, tmp_path, edit, why):
+    out = _ct_dir(base, tmp_path)
+    _edit(out, **edit)
+    with pytest.raises(FileFormatError, match=why):
+        ct.FORMAT.to_fewbits(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()

@@ -130,7 +130,7 @@ def _causal_lm(spec: str):
             quant = (json.load(f).get("quantization_config") or {}).get("quant_method")
     except (OSError, json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"{config}: unreadable config ({e})") from None
-    from ..files.conversion import STANDARD_FORMATS
+    from ..files.standard_formats import STANDARD_FORMATS
     from ..files.hf_dir import read_tensors
     # config.json's values, the shards, the index and the layer count checked before transformers
     # reads any of it (the tokenizer builds the config too)

@@ -6,7 +6,8 @@ from .gguf_header import GGUFHeader, GGUFTensorInfo, GGUFValue, read_header
 from .gguf_reader import check_gguf, gguf_to_float_pretrained, gguf_to_pretrained, llama_config, read_gguf
 from .hf_dir import ShardWriter, read_tensors, save_pretrained
 from .streaming import ConversionSummary, model_skeleton, quantize_pretrained
-from .conversion import FORMATS, STANDARD_FORMATS, convert, float_matrices, formats_for
+from .conversion import FORMATS, convert, float_matrices, formats_for
+from .standard_formats import STANDARD_FORMATS
 from .standard_dir import StandardFormat
 from .compressed_tensors import write_compressed_tensors
 from .gptq_format import write_gptq

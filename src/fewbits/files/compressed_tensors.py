@@ -168,6 +168,7 @@ class CompressedTensors(StandardFormat):
         groups, ignore = qc.get("config_groups"), qc.get("ignore") or []
         if not isinstance(groups, dict) or not groups or not isinstance(ignore, list):
             raise bad("config_groups must be a non-empty object and ignore a list")
+        ignore = _patterns(path, ignore, "ignore")
         plan: dict[str, QuantScheme] = {}
         for key, group in groups.items():
             if not isinstance(group, dict):
@@ -187,6 +188,7 @@ class CompressedTensors(StandardFormat):
             targets = group.get("targets")
             if not isinstance(targets, list) or not targets:
                 raise bad(f"{key}: targets must be a non-empty list")
+            targets = _patterns(path, targets, f"{key}'s targets")
             symmetric = w.get("symmetric", True) is not False
             for module, shape in linears.items():
                 if module in plan or not _matches(module, targets) or _matches(module, ignore):
@@ -207,44 +209,66 @@ class CompressedTensors(StandardFormat):
             raise bad("no Linear layer of the model is targeted")
         return plan
 
-    def module_leaves(self, scheme) -> tuple[str, ...]:
-        return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
+    def leaf_specs(self, scheme, shape) -> dict:
+        bits = scheme.format.bits
+        out_f, in_f = shape
+        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
+        specs = {"weight_packed": ((out_f, -(-in_f * bits // 32)), (torch.int32,)),
+                 "weight_scale": ((out_f, groups), (torch.float32, torch.float16, torch.bfloat16)),
+                 "weight_shape": ((2,), (torch.int64, torch.int32))}
+        if not scheme.symmetric:
+            specs["weight_zero_point"] = ((-(-out_f * bits // 32), groups), (torch.int32,))
+        return specs
 
     def read_module(self, module, entries, scheme, shape, dtype, qc) -> QuantizedTensor:
         bits = scheme.format.bits
-        half = 1 << (bits - 1)
         out_f, in_f = shape
-        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
-        words = -(-in_f * bits // 32)
-        packed, scale, stated = entries["weight_packed"], entries["weight_scale"], entries["weight_shape"]
-        if stated.dtype not in (torch.int64, torch.int32) or stated.tolist() != [out_f, in_f]:
-            raise ValueError(f"weight_shape {stated.tolist()} is not the layer's {[out_f, in_f]}")
-        if tuple(packed.shape) != (out_f, words) or packed.dtype != torch.int32:
-            raise ValueError(f"weight_packed is {packed.dtype} {list(packed.shape)}, not int32 {[out_f, words]}")
-        if tuple(scale.shape) != (out_f, groups):
-            raise ValueError(f"weight_scale is {list(scale.shape)}, not {[out_f, groups]}")
-        values = unpack_int32(packed, bits, in_f)  # unsigned: compressed-tensors' signed value + half
+        if entries["weight_shape"].tolist() != [out_f, in_f]:
+            raise ValueError(f"weight_shape {entries['weight_shape'].tolist()} is not the layer's {[out_f, in_f]}")
+        values = unpack_int32(entries["weight_packed"], bits, in_f)  # unsigned: compressed-tensors' value + half
         zero = None
-        if not scheme.symmetric:
-            zp = entries["weight_zero_point"]
-            rows = -(-out_f * bits // 32)
-            if tuple(zp.shape) != (rows, groups) or zp.dtype != torch.int32:
-                raise ValueError(f"weight_zero_point is {zp.dtype} {list(zp.shape)}, not int32 {[rows, groups]}")
-            zero = unpack_int32(zp.t(), bits, out_f).t()  # packed along the outputs: fewbits' unsigned zero points
-        else:
-            values = values - half
-        return QuantizedTensor.from_int_codes(scheme, shape, dtype, values, scale.to(torch.float32), zero)
+        if scheme.symmetric:
+            values = values - (1 << (bits - 1))
+        else:  # packed along the outputs: fewbits' unsigned zero points
+            zero = unpack_int32(entries["weight_zero_point"].t(), bits, out_f).t()
+        return QuantizedTensor.from_int_codes(scheme, shape, dtype, values, entries["weight_scale"].to(torch.float32),
+                                              zero)
 
 
-def _matches(module: str, targets) -> bool:
-    """compressed-tensors' target matching: the module's name, a "re:" regex of it, or the
-    class name Linear (every target here is a Linear)."""
-    for t in targets:
+_MAX_PATTERN = 256
+# a quantified group that holds a quantifier, as in (a+)+ or (.*)*: backtracking that can take
+# exponential time on a name that fails to match
+_NESTED = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)[*+{]")
+
+
+def _patterns(path: str, entries, what: str) -> list:
+    """compressed-tensors' targets or ignore list as matchers: the class name "Linear" (every
+    module matched here is a Linear), a "re:" regex, or a module's name. A FileFormatError
+    naming `path` for an entry that is not a string, a regex that does not compile, is longer
+    than _MAX_PATTERN or nests quantifiers (which could make matching take forever)."""
+    found = []
+    for t in entries:
         if not isinstance(t, str):
-            continue
-        if t == module or t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)):
-            return True
-    return False
+            raise FileFormatError(path, f"quantization_config (compressed-tensors): {what} entry {t!r} is not a string")
+        if t.startswith("re:"):
+            pattern = t[3:]
+            if len(pattern) > _MAX_PATTERN or _NESTED.search(pattern):
+                raise FileFormatError(path, f"quantization_config (compressed-tensors): {what} regex {pattern[:60]!r} "
+                                      f"is longer than {_MAX_PATTERN} characters or nests quantifiers; fewbits does "
+                                      "not match it")
+            try:
+                found.append(re.compile(pattern))
+            except re.error as e:
+                raise FileFormatError(path, f"quantization_config (compressed-tensors): {what} regex {pattern[:60]!r} "
+                                      f"does not compile: {e}") from None
+        else:
+            found.append(t)
+    return found
+
+
+def _matches(module: str, patterns) -> bool:
+    """compressed-tensors' matching of a Linear layer's name against _patterns' matchers."""
+    return any(p == module or p == "Linear" if isinstance(p, str) else p.match(module) for p in patterns)
 
 
 def _preset_or(scheme: QuantScheme) -> QuantScheme:
@@ -252,6 +276,8 @@ def _preset_or(scheme: QuantScheme) -> QuantScheme:
     scale format), else `scheme` itself: a read directory's layers carry the names users know."""
     for name in FITTING_PRESETS:
         p = get_scheme(name)
+        if p.scale_method != "absmax":  # how codes were chosen is not stored: the plain presets name them
+            continue
         if (p.format, p.granularity, p.group_size if p.granularity == "group" else None, p.symmetric, p.scale_format,
                 p.activations, p.zero_point) == (scheme.format, scheme.granularity,
                                                  scheme.group_size if scheme.granularity == "group" else None,

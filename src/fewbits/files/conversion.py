@@ -29,14 +29,12 @@ from collections.abc import Callable, Iterator, Mapping
 
 from ..atomic import DirectoryReplacement
 from ..quant.scheme import get_scheme
-from . import bnb_format, compressed_tensors, gptq_format
 from .gguf_blocks import gguf_block_type
+from .standard_formats import STANDARD_FORMATS
 from .streaming import ConversionSummary, _read_config, quantize_pretrained, tokenizer_files
 
-__all__ = ["FORMATS", "STANDARD_FORMATS", "convert", "float_matrices", "formats_for"]
+__all__ = ["FORMATS", "convert", "float_matrices", "formats_for"]
 
-# the standard directory formats (fewbits.files.standard_dir.StandardFormat), by --format name
-STANDARD_FORMATS = {f.name: f for f in (compressed_tensors.FORMAT, gptq_format.FORMAT, bnb_format.FORMAT)}
 FORMATS = ("hf", "gguf", "fewbits", *STANDARD_FORMATS)
 _DIRECTORIES = ("hf", *STANDARD_FORMATS)
 

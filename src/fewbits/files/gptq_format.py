@@ -181,7 +181,7 @@ class GPTQ(StandardFormat):
         if qc.get("sym", True) is not True:
             raise bad("an asymmetric checkpoint (sym false): fewbits reads symmetric GPTQ")
         form = qc.get("checkpoint_format", qc.get("format", "gptq"))
-        if form not in ("gptq", "gptq_v2"):
+        if not isinstance(form, str) or form not in ("gptq", "gptq_v2"):
             raise bad(f"checkpoint_format {form!r} (fewbits reads gptq and gptq_v2)")
         if qc.get("dynamic"):
             raise bad("per-module `dynamic` overrides are not read")
@@ -203,30 +203,32 @@ class GPTQ(StandardFormat):
             plan[module] = scheme
         return plan
 
-    def module_leaves(self, scheme) -> tuple[str, ...]:
-        return ("qweight", "qzeros", "scales", "g_idx")
+    def leaf_specs(self, scheme, shape) -> dict:
+        bits = scheme.format.bits
+        per = 32 // bits
+        out_f, in_f = shape
+        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
+        return {"qweight": ((in_f // per, out_f), (torch.int32,)), "qzeros": ((groups, out_f // per), (torch.int32,)),
+                "scales": ((groups, out_f), (torch.float16,)), "g_idx": ((in_f,), (torch.int32,))}
 
     def read_module(self, module, entries, scheme, shape, dtype, qc) -> QuantizedTensor:
         bits = scheme.format.bits
-        per, half = 32 // bits, 1 << (bits - 1)
+        half = 1 << (bits - 1)
         out_f, in_f = shape
-        groups = 1 if scheme.granularity == "channel" else in_f // scheme.group_size
-        want = {"qweight": ((in_f // per, out_f), torch.int32), "qzeros": ((groups, out_f // per), torch.int32),
-                "scales": ((groups, out_f), torch.float16), "g_idx": ((in_f,), torch.int32)}
-        for leaf, (sh, dt) in want.items():
-            t = entries[leaf]
-            if tuple(t.shape) != sh or t.dtype != dt:
-                raise ValueError(f"{leaf} is {t.dtype} {list(t.shape)}; a {bits}-bit {out_f} x {in_f} layer in "
-                                 f"{groups} group(s) needs {dt} {list(sh)}")
-        size = in_f if groups == 1 else scheme.group_size
+        size = in_f if scheme.granularity == "channel" else scheme.group_size
         if not torch.equal(entries["g_idx"].to(torch.int64), torch.arange(in_f) // size):
             raise ValueError("g_idx is not the inputs' groups in order (act-order checkpoints are not read)")
-        version_1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"  # stores zero points - 1
-        zeros = unpack_int32(entries["qzeros"], bits, out_f) + (1 if version_1 else 0)
+        zeros = unpack_int32(entries["qzeros"], bits, out_f) + (1 if _version_1(qc) else 0)
         if not torch.all(zeros == half):
             raise ValueError(f"zero points other than {half}: not a symmetric checkpoint")
         values = unpack_int32(entries["qweight"].t(), bits, in_f) - half  # [out, in]
         return QuantizedTensor.from_int_codes(scheme, shape, dtype, values, entries["scales"].t().to(torch.float32))
+
+
+def _version_1(qc: dict) -> bool:
+    """Whether a GPTQ quantization_config states version 1 (zero points stored minus one; the
+    default), else version 2 ("gptq_v2")."""
+    return qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"
 
 
 FORMAT = GPTQ()

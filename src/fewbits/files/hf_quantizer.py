@@ -156,7 +156,7 @@ def _config_error(e: Exception) -> bool:
 def _standard_format(directory):
     """The StandardFormat fewbits reads (compressed-tensors, GPTQ) that a directory's config.json
     names, else None."""
-    from .conversion import STANDARD_FORMATS
+    from .standard_formats import STANDARD_FORMATS
 
     config_path = os.path.join(os.fspath(directory), CONFIG_NAME)
     if not os.path.isfile(config_path):

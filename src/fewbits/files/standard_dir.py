@@ -44,13 +44,14 @@ def pack_int32(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """pack_int32's inverse: int32 words [rows, n] -> the unsigned values [rows, count] (int64)."""
+    """pack_int32's inverse: int32 words [rows, n] -> the unsigned values [rows, count] (int16:
+    room for the signed values one step away, two bytes a value)."""
     if sys.byteorder != "little":
         raise RuntimeError("unpacking int32 words assumes a little-endian machine")
     b = words.contiguous().view(torch.uint8).reshape(words.shape[0], -1)  # element i at bit i*bits
     if bits == 4:
         b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
-    return b[:, :count].to(torch.int64)
+    return b[:, :count].to(torch.int16)
 
 
 def fused_conflicts(plan: Mapping, linears) -> list[str]:
@@ -69,16 +70,20 @@ def fused_conflicts(plan: Mapping, linears) -> list[str]:
     return found
 
 
-def linear_layers(config) -> tuple[set[str], str | None]:
-    """The Linear layers of the model `config` describes (built on the meta device), and the name
-    of its output layer (the one a tied model shares with its token embedding), if any."""
+def linears_of(model) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """{name: weight shape} of a model's Linear layers, and the name of its output layer (the one
+    a tied model shares with its token embedding), if any."""
     from torch import nn
 
-    from .streaming import model_skeleton
-    model = model_skeleton(config)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return names, next((n for n, m in model.named_modules() if head is not None and m is head), None)
+    linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return linears, next((n for n, m in model.named_modules() if head is not None and m is head), None)
+
+
+def linear_layers(config) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """linears_of the model `config` describes (built on the meta device)."""
+    from .streaming import model_skeleton
+    return linears_of(model_skeleton(config))
 
 
 def _a(word: str) -> str:
@@ -95,7 +100,7 @@ class StandardFormat:
     fitting_presets: tuple[str, ...] = ()
     budget_candidates: tuple[str, ...] = ()  # what --budget chooses among, per layer
     keeps_head_in_float = False  # the output layer is never quantized (--tied untie is refused)
-    reads = False  # whether to_fewbits reads the format (read_plan, module_leaves, read_module)
+    reads = False  # whether to_fewbits reads the format (read_plan, leaf_specs, read_module)
 
     # -- what a subclass defines ---------------------------------------------------------------
     def scheme_args(self, scheme) -> dict:
@@ -131,21 +136,24 @@ class StandardFormat:
         `path` for what this reader does not take."""
         raise FileFormatError(path, f"fewbits does not read {self.name} directories (it writes them)")
 
-    def module_leaves(self, scheme: QuantScheme) -> tuple[str, ...]:
-        """The names, after "<module>.", of a quantized module's tensors."""
+    def leaf_specs(self, scheme: QuantScheme, shape) -> dict[str, tuple[tuple[int, ...] | None, tuple]]:
+        """{leaf: (shape or None for any, allowed dtypes)} of a quantized module's tensors (the
+        names after "<module>."), checked from the headers before anything is read."""
         raise NotImplementedError
 
     def read_module(self, module: str, entries: dict[str, torch.Tensor], scheme: QuantScheme, shape,
                     dtype: torch.dtype, qc: dict) -> QuantizedTensor:
         """The QuantizedTensor of quantized Linear `module` (weight `shape`) from its entries
-        {leaf: tensor} (qc: the quantization_config); a ValueError saying what is wrong with
-        them."""
+        {leaf: tensor} of leaf_specs' shapes and dtypes (qc: the quantization_config); a
+        ValueError for what the data holds wrong (codes, zero points, group indices)."""
         raise NotImplementedError
 
     def to_fewbits(self, directory, out, *, overwrite: bool = False) -> str:
         """Write the directory `directory` in this format as a fewbits Hugging Face directory
         `out` holding the same codes and scales (QuantizedTensors), for fewbits to load and run.
-        Everything is checked from config.json and the headers before anything is written."""
+        config.json and every tensor's header are checked before anything is read or written;
+        what only the data shows (codes, zero points, group indices, non-finite scales) is found
+        layer by layer, and then nothing appears at `out`."""
         from transformers import AutoConfig
 
         from .hf_dir import CONFIG_NAME, ShardWriter, read_tensors
@@ -159,14 +167,10 @@ class StandardFormat:
         if not isinstance(qc, dict) or qc.get("quant_method") != self.name:
             raise FileFormatError(config_path, f"not a {self.name} directory (quantization_config's quant_method)")
         try:
-            model = model_skeleton(AutoConfig.from_pretrained(directory))
+            linears, head = linears_of(model_skeleton(AutoConfig.from_pretrained(directory)))
         except Exception as e:  # noqa: BLE001 - what transformers makes of a config it cannot build
             raise FileFormatError(config_path, f"transformers cannot build the model it describes: "
                                   f"{type(e).__name__}: {e}") from None
-        from torch import nn
-        out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        head = next((n for n, m in model.named_modules() if out_layer is not None and m is out_layer), None)
         plan = self.read_plan(config_path, qc, linears, head,
                               lambda name: tensors.info(name)[:2] if name in tensors else None)
         dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"), None)
@@ -174,16 +178,28 @@ class StandardFormat:
             dtype = torch.float32
         owner = {}
         for module, scheme in plan.items():
-            for leaf in self.module_leaves(scheme):
+            for leaf, (want_shape, want_dtypes) in self.leaf_specs(scheme, linears[module]).items():
                 name = f"{module}.{leaf}"
                 if name not in tensors:
                     raise FileFormatError(config_path, f"{module!r} is quantized ({self.name}) but {name!r} is not "
                                           "in the directory")
+                got_shape, got_dtype, where = tensors.info(name)
+                if got_dtype not in want_dtypes or (want_shape is not None and tuple(got_shape) != want_shape):
+                    raise FileFormatError(where, f"{name} is {got_dtype} {list(got_shape)}; {scheme.label} of shape "
+                                          f"{list(linears[module])} needs " + " or ".join(map(str, want_dtypes))
+                                          + (f" {list(want_shape)}" if want_shape is not None else ""))
                 owner[name] = module
         for name in tensors:
-            if name not in owner and not self._float_entry(tensors.info(name)[1]):
-                raise FileFormatError(tensors.info(name)[2], f"{name!r} ({tensors.info(name)[1]}) is not a float "
-                                      f"tensor and no quantized layer of the {self.name} config holds it")
+            if name in owner:
+                continue
+            got_dtype, where = tensors.info(name)[1:]
+            module = name.rsplit(".", 1)[0]
+            if not self._float_entry(got_dtype):
+                raise FileFormatError(where, f"{name!r} ({got_dtype}) is not a float tensor and no quantized layer of "
+                                      f"the {self.name} config holds it")
+            if (module in plan and name == f"{module}.weight") or ".qweight." in name:
+                raise FileFormatError(where, f"{name!r} is stored beside the {self.name} entries of a quantized "
+                                      "layer (two weights for one layer)")
         done = set()
         with ShardWriter(out, overwrite=overwrite) as w:
             for name in tensors:
@@ -193,7 +209,7 @@ class StandardFormat:
                 elif module not in done:
                     done.add(module)
                     scheme = plan[module]
-                    entries = {leaf: tensors[f"{module}.{leaf}"] for leaf in self.module_leaves(scheme)}
+                    entries = {leaf: tensors[f"{module}.{leaf}"] for leaf in self.leaf_specs(scheme, linears[module])}
                     try:
                         qt = self.read_module(module, entries, scheme, linears[module], dtype, qc)
                     except ValueError as e:
@@ -255,10 +271,8 @@ class StandardFormat:
         work."""
         from torch import nn
 
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        why = self.layout_problem(plan, linears, next((n for n, m in model.named_modules()
-                                                       if head is not None and m is head), None))
+        linears, head = linears_of(model)
+        why = self.layout_problem(plan, linears, head)
         if why is not None:
             raise ValueError(f"--format {self.name}: {why}")
         for module, scheme in plan.items():
@@ -288,7 +302,7 @@ class StandardFormat:
             except ValueError as e:
                 raise self._named(module, e) from None
         linears, head = linear_layers(AutoConfig.from_pretrained(tensors.directory))
-        not_linear = sorted(set(plan) - linears)
+        not_linear = sorted(set(plan) - set(linears))
         if not_linear:
             raise ValueError(f"--format {self.name} quantizes Linear layers; {not_linear[0]!r} is not one "
                              "(leave the embeddings in float: no --embeddings)")
@@ -300,7 +314,7 @@ class StandardFormat:
             warnings.warn(f"{len(conflicts)} group(s) of layers that vLLM fuses into one do not share a scheme, so "
                           f"vLLM will refuse this checkpoint (transformers loads it): {conflicts[0]}"
                           + (f" and {len(conflicts) - 1} more" if len(conflicts) > 1 else ""), stacklevel=2)
-        qc = self.quantization_config(plan, ignore=linears - set(plan))
+        qc = self.quantization_config(plan, ignore=set(linears) - set(plan))
         with ShardWriter(out, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, overwrite=overwrite) as w:
             for name in tensors:
                 value = tensors[name]

@@ -200,10 +200,14 @@ class QuantizedTensor:
         if tuple(scales.shape) != (rows, groups) or not scales.dtype.is_floating_point:
             raise ValueError(f"scales must be floats of shape {(rows, groups)}, got {scales.dtype} "
                              f"{tuple(scales.shape)}")
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError("scales that are not finite (inf or NaN)")
         stored = scales.to(sc.SCALE_DTYPES[s.scale_format])
         if not torch.equal(stored.to(torch.float64), scales.to(torch.float64)):
             raise ValueError(f"scales that {s.scale_format} does not hold exactly")
-        codes = encode(values.reshape(-1).to(torch.float64), fmt).to(torch.uint8)
+        # an integer's code is its two's-complement bit pattern (what encode gives), made here
+        # with integer operations: a byte a value, not float64 (a large layer's read stays small)
+        codes = (values.reshape(-1) & ((1 << fmt.bits) - 1)).to(torch.uint8)
         parts = {"scales": stored.contiguous()}
         if not s.symmetric:
             if zero_points is None:

@@ -206,7 +206,7 @@ def conversion_scheme(scheme: str, fmt: str) -> str:
         if fmt != "gguf":
             raise
         raise ValueError(f"{e}; with --format gguf also the llama.cpp mixes: {', '.join(MIXED_RECIPES)}") from None
-    from ..files.conversion import STANDARD_FORMATS
+    from ..files.standard_formats import STANDARD_FORMATS
     if fmt in STANDARD_FORMATS:
         try:
             STANDARD_FORMATS[fmt].scheme_args(preset)
@@ -243,7 +243,7 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     if fmt == "gguf" and (embeddings or tied is not None):
         raise ValueError("embeddings and tied go with the hf and fewbits formats: for GGUF the recipe gives the "
                          "token embedding its type")
-    from ..files.conversion import STANDARD_FORMATS
+    from ..files.standard_formats import STANDARD_FORMATS
     if fmt in STANDARD_FORMATS and embeddings:
         raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float: no --embeddings")
     if fmt != "gguf" and embeddings and (tied or "keep") == "keep" and _ties_embeddings(source):
