@@ -226,6 +226,19 @@ def test_generate_runs_what_quantize_writes_in_a_standard_format(src, tmp_path, 
     assert outs[fmt]["text"] == outs["hf"]["text"] and outs[fmt]["path"] == outs["hf"]["path"]
 
 
+def test_generate_leaves_a_bitsandbytes_directory_to_transformers(src, tmp_path):
+    """fewbits does not read bitsandbytes directories: `fewbits generate` loads them through
+    transformers (with bitsandbytes), as any other quantization method it does not read."""
+    pytest.importorskip("bitsandbytes")
+    path = tmp_path / "bnb"
+    rc, _, err = run(["quantize", str(src), "--scheme", "nf4", "--format", "bitsandbytes", "--out", str(path),
+                      "--quiet"])
+    assert rc == 0, err
+    rc, out, err = run(["generate", str(path), "--prompt", "the cat", "--max-new-tokens", "3", "--quiet", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["model"] == str(path)  # transformers' model, not "read by fewbits"
+
+
 def test_generate_reports_the_canonical_scheme(src):
     rc, out, err = run(["generate", str(src), "--scheme", "INT-8", "--prompt", "the", "--max-new-tokens", "2",
                         "--quiet", "--json"])
