@@ -23,6 +23,11 @@ QuantizedTensor.dequantize, so the weights it gives equal fewbits' dequantized w
 package). A scheme that has no such form (a float minimum, non-uniform codes, GGUF super-blocks,
 groups that do not divide the width, activations in blocks) is a ValueError that names the
 schemes that fit.
+
+fewbits reads compressed-tensors directories back, its own and other tools' such as
+llm-compressor's (read_plan, leaf_specs, read_module; StandardFormat.to_fewbits): weight-only
+integers ("pack-quantized"), targeted by name, "re:" regex or "Linear" less `ignore`, with scales
+in float32, float16 or bfloat16. Quantized activations and float codes are not read yet.
 """
 from __future__ import annotations
 

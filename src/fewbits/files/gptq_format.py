@@ -21,6 +21,10 @@ layers outside them (the output layer, a classifier, projections) stay in float:
 (through optimum and GPTQModel) quantizes the Linear layers under the blocks' prefix with the one
 config and reads a quantized lm_head, a float layer there or GPTQModel's per-module `dynamic`
 overrides as random weights, without an error. Mixed plans go to compressed-tensors.
+
+fewbits reads GPTQ directories back, its own and other tools' (read_plan, leaf_specs,
+read_module; StandardFormat.to_fewbits): symmetric, version 1 or 2 ("gptq_v2": zero points
+stored as they are), 4 or 8 bits, without act-order or `dynamic`.
 """
 from __future__ import annotations
 

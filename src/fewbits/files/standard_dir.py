@@ -1,14 +1,17 @@
-"""What the standard quantized directory formats share (compressed-tensors, GPTQ): a Hugging Face
-directory whose config.json holds the format's `quantization_config` and whose quantized Linear
-layers are stored as the format's tensors, holding fewbits' own codes and scales moved without
-rounding.
+"""What the standard quantized directory formats share (compressed-tensors, GPTQ, bitsandbytes): a
+Hugging Face directory whose config.json holds the format's `quantization_config` and whose
+quantized Linear layers are stored as the format's tensors, holding fewbits' own codes and scales
+moved without rounding.
 
-A format is a StandardFormat (fewbits.files.compressed_tensors.FORMAT, fewbits.files.gptq_format
-.FORMAT) that says which schemes it holds exactly (`scheme_args`, a ValueError naming the presets
-that fit otherwise), which layer shapes (`shape_problem`), the tensors of one quantized module
+A format is a StandardFormat (the FORMAT of fewbits.files.compressed_tensors, gptq_format and
+bnb_format; fewbits.files.standard_formats lists them) that says which schemes it holds exactly
+(`scheme_args`, a ValueError naming the presets that fit otherwise), which layer shapes
+(`shape_problem`) and plans (`layout_problem`), the tensors of one quantized module
 (`module_tensors`) and the config (`quantization_config`). The checks before any work
 (`check_module`, `check_plan`, `fits`) and the writer (`write`: every scheme checked before
-anything is written; the directory appears only when complete) are the same for all.
+anything is written; the directory appears only when complete) are the same for all. A format
+that `reads` also says how to read a directory back (`read_plan`, `leaf_specs`, `read_module`),
+and `to_fewbits` turns one into a fewbits directory with the same codes and scales.
 """
 from __future__ import annotations
 
@@ -93,8 +96,9 @@ def _a(word: str) -> str:
 class StandardFormat:
     """One standard directory format (see the module docstring). Subclasses set `name` (the
     --format value), `fitting_presets` and `budget_candidates`, and define scheme_args,
-    module_tensors and quantization_config; shape_problem when the format constrains shapes
-    beyond whole groups."""
+    module_tensors and quantization_config; shape_problem, layout_problem and default_rules
+    when the format constrains shapes or plans further; read_plan, leaf_specs and read_module
+    where it `reads`."""
 
     name: str = ""
     fitting_presets: tuple[str, ...] = ()
@@ -132,8 +136,7 @@ class StandardFormat:
         """{module: scheme} of the quantized Linear layers config.json's quantization_config
         states, `linears` {name: weight shape} being the model's and `head` its output layer;
         info(name) -> (shape, dtype) of a stored tensor, from its header (None if there is none).
-        A FileFormatError naming
-        `path` for what this reader does not take."""
+        A FileFormatError naming `path` for what this reader does not take."""
         raise FileFormatError(path, f"fewbits does not read {self.name} directories (it writes them)")
 
     def leaf_specs(self, scheme: QuantScheme, shape) -> dict[str, tuple[tuple[int, ...] | None, tuple]]:
