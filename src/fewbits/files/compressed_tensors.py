@@ -273,7 +273,8 @@ def _patterns(path: str, entries, what: str) -> list:
 
 def _matches(module: str, patterns) -> bool:
     """compressed-tensors' matching of a Linear layer's name against _patterns' matchers."""
-    return any(p == module or p == "Linear" if isinstance(p, str) else p.match(module) for p in patterns)
+    return any((p == module or p == "Linear") if isinstance(p, str) else p.match(module) is not None
+               for p in patterns)
 
 
 def _preset_or(scheme: QuantScheme) -> QuantScheme:

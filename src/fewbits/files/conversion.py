@@ -78,6 +78,18 @@ def formats_for(scheme) -> list[str]:
     return found
 
 
+def check_format_options(fmt: str, embeddings: bool = False, tied: str | None = None) -> None:
+    """What a standard format refuses of convert's options, before any work: quantized embeddings
+    (they quantize Linear layers), and --tied untie where the output layer stays in float."""
+    standard = STANDARD_FORMATS.get(fmt)
+    if standard is None:
+        return
+    if embeddings:
+        raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float: no --embeddings")
+    if standard.keeps_head_in_float and tied == "untie":
+        raise ValueError(f"--tied untie quantizes the output layer, which --format {fmt} keeps in float")
+
+
 def check_gguf_source(source) -> None:
     """What the GGUF writer would refuse of the HF directory `source` (its architecture, config
     or tokenizer), checked before the work of quantizing it: a ValueError."""
@@ -141,9 +153,7 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
     if fmt == "gguf":
         check_gguf_source(source)
-    if fmt in STANDARD_FORMATS and embeddings:
-        raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float "
-                         "(model.embed_tokens and the like are Embedding layers): no --embeddings")
+    check_format_options(fmt, embeddings, tied)
     if fmt in STANDARD_FORMATS and not isinstance(scheme_or_rules, Mapping):
         from transformers import AutoConfig
 

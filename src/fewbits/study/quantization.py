@@ -243,9 +243,9 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
     if fmt == "gguf" and (embeddings or tied is not None):
         raise ValueError("embeddings and tied go with the hf and fewbits formats: for GGUF the recipe gives the "
                          "token embedding its type")
+    from ..files.conversion import check_format_options
     from ..files.standard_formats import STANDARD_FORMATS
-    if fmt in STANDARD_FORMATS and embeddings:
-        raise ValueError(f"--format {fmt} quantizes Linear layers and keeps the embeddings in float: no --embeddings")
+    check_format_options(fmt, embeddings, tied)
     if fmt != "gguf" and embeddings and (tied or "keep") == "keep" and _ties_embeddings(source):
         raise ValueError(f"{source}: the token embedding is the output layer's weight too (tie_word_embeddings), "
                          "so quantizing the embedding with tied 'keep' (--tied keep, the default) leaves both in "
@@ -257,8 +257,6 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
         from ..files.conversion import check_gguf_source
         check_gguf_source(source)
     standard = STANDARD_FORMATS.get(fmt)
-    if standard is not None and standard.keeps_head_in_float and tied == "untie":
-        raise ValueError(f"--tied untie quantizes the output layer, which --format {fmt} keeps in float")
     if budget is not None and standard is not None and not standard.budget_candidates:
         raise ValueError(f"--budget chooses a scheme per layer, and --format {fmt} holds one scheme only "
                          f"({', '.join(standard.fitting_presets)}): give --scheme instead")
