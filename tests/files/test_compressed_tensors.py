@@ -124,7 +124,7 @@ def test_plain_transformers_without_fewbits_runs_it(base, tmp_path):
 
 @pytest.mark.parametrize("scheme, why", [
     ("nf4", "nf4 codes"), ("nf4_dq", "double-quantized"), ("q4_1", "float minimum"), ("q4_k", "super-blocks"),
-    ("int3", "3-bit"), ("w4a8", "activations"), ("mxfp4", "mx blocks"), ("bf16", "plain cast"),
+    ("int3", "3-bit"), ("w4a8", "activations"), ("mxfp6", "MX blocks of fp6_e3m2"), ("nvfp4", "nvfp4 blocks"), ("bf16", "plain cast"),
 ])
 def test_schemes_without_an_exact_form_are_refused_naming_those_that_fit(scheme, why):
     with pytest.raises(ValueError, match=why) as e:
@@ -178,3 +178,19 @@ def test_a_symmetric_mixed_plan_runs_in_transformers_compressed_mode(base, tmp_p
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     got, want = loaded(ids).logits, model(ids).logits
     assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_mxfp4_runs_in_transformers_default_mode_in_bfloat16(base, tmp_path):
+    """compressed-tensors decompresses MXFP4 to bfloat16 (E2M1 values times powers of two: exact),
+    so a bfloat16 model in transformers' default mode computes with fewbits' weights exactly
+    (in float32 it needs dequantize=True, which the preset test above uses)."""
+    model = fb.quantize_model(copy.deepcopy(base), "mxfp4")
+    out = _export(model, tmp_path)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    reference = copy.deepcopy(base)
+    for name, m in _quantized(model).items():
+        reference.get_submodule(name).weight.data = m.qweight.dequantize(torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    x = torch.tensor([[1, 5, 9, 33]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, reference.to(torch.bfloat16)(x).logits)

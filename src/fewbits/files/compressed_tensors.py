@@ -45,7 +45,7 @@ from .standard_dir import StandardFormat, pack_int32, unpack_int32
 QUANT_METHOD = "compressed-tensors"
 # the presets that map onto compressed-tensors exactly (any group size that divides the width)
 FITTING_PRESETS = ("int4", "int4_g32", "int4_asym", "int4_asym_g32", "int4_channel", "q4_0", "w4a16",
-                   "w4a16_g32", "int8", "int8_asym", "q8_0", "w8a16", "w8a8", "fp8", "fp8_channel", "w8a8_fp8")
+                   "w4a16_g32", "int8", "int8_asym", "q8_0", "w8a16", "w8a8", "fp8", "fp8_channel", "w8a8_fp8", "mxfp4")
 _PACKED_BITS = (4, 8)
 _TOKEN_ACTIVATIONS = {"strategy": "token", "dynamic": True, "symmetric": True, "group_size": None,
                       "block_structure": None, "observer": None, "actorder": None}
@@ -76,7 +76,9 @@ class CompressedTensors(StandardFormat):
             why = "a float minimum per group has no integer zero point to store"
         elif s.double_quant:
             why = "double-quantized scales are not compressed-tensors scales"
-        elif s.granularity not in ("tensor", "channel", "group"):
+        elif s.granularity == "mx" and not (fmt.name == "fp4_e2m1" and s.activations is None):
+            why = f"MX blocks of {fmt.name} are not written by this exporter yet (MXFP4 weights are)"
+        elif s.granularity not in ("tensor", "channel", "group", "mx"):
             why = f"{s.granularity} blocks are not written by this exporter yet"
         elif s.granularity == "channel" and s.axis != 0:
             why = "scales per input column are not a compressed-tensors strategy"
@@ -90,7 +92,7 @@ class CompressedTensors(StandardFormat):
                 why = f"{fmt.bits}-bit integers are not packed by the engines (4 and 8 bits are)"
             elif s.granularity == "tensor":
                 why = "one scale per tensor for integers is not written by this exporter"
-        elif why is None and not (isinstance(fmt, FloatFormat) and fmt.name == "fp8_e4m3"):
+        elif why is None and not (isinstance(fmt, FloatFormat) and (fmt.name == "fp8_e4m3" or s.granularity == "mx")):
             why = f"{fmt.name} codes have no compressed-tensors form here"
         act = s.activations
         if why is None and act is not None:
@@ -100,6 +102,12 @@ class CompressedTensors(StandardFormat):
         if why is not None:
             raise ValueError(f"{s.label} does not fit compressed-tensors: {why}; {self.fits_hint()}")
         is_int = isinstance(fmt, IntFormat)
+        if s.granularity == "mx":  # MXFP4: E2M1 codes in blocks of 32 under an E8M0 scale (its biased exponent)
+            weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                       "dynamic": False, "scale_dtype": "torch.uint8", "block_structure": None, "observer": None,
+                       "actorder": None}
+            return {"weights": weights, "input_activations": None, "output_activations": None,
+                    "format": "mxfp4-pack-quantized"}
         weights = {"num_bits": fmt.bits, "type": "int" if is_int else "float", "symmetric": s.symmetric,
                    "strategy": s.granularity, "group_size": s.group_size if s.granularity == "group" else None,
                    "dynamic": False, "block_structure": None, "observer": None, "actorder": None}
@@ -111,12 +119,21 @@ class CompressedTensors(StandardFormat):
             inputs = {"num_bits": 8, "type": "int" if is_int else "float", **_TOKEN_ACTIVATIONS}
         return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": form}
 
+    def shape_problem(self, s: QuantScheme, shape) -> str | None:
+        if s.granularity == "mx" and shape[1] % s.group_size:
+            return f"{shape[1]} columns are not a whole number of MX blocks of {s.group_size}"
+        return super().shape_problem(s, shape)
+
     def module_tensors(self, module: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The compressed-tensors entries of quantized Linear `module` (see the module docstring)."""
         s = qt.scheme
         args = self.check_module(module, s, qt.shape)
         out_f, in_f = qt.shape
         fmt = s.format
+        if s.granularity == "mx":  # two E2M1 codes a byte, the first in the low nibble; E8M0 codes as stored
+            codes = qt.element_codes().reshape(out_f, -1)[:, :in_f].to(torch.uint8)
+            return {f"{module}.weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+                    f"{module}.weight_scale": qt.scales.reshape(out_f, -1).contiguous()}
         scales = qt.scale_values()  # float32 [rows, groups]
         if s.granularity == "tensor":
             scales = scales.reshape(1)
