@@ -311,11 +311,7 @@ def _preset_or(scheme: QuantScheme) -> QuantScheme:
 
 FORMAT = CompressedTensors()
 scheme_args = FORMAT.scheme_args
-check_module = FORMAT.check_module
-check_plan = FORMAT.check_plan
 fits = FORMAT.fits
-module_tensors = FORMAT.module_tensors
-quantization_config = FORMAT.quantization_config
 write_compressed_tensors = FORMAT.write
 
 __all__ = ["write_compressed_tensors"]

@@ -157,9 +157,7 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
     if fmt in STANDARD_FORMATS and not isinstance(scheme_or_rules, Mapping):
         from transformers import AutoConfig
 
-        from .standard_dir import linear_layers
-        linears, head = linear_layers(AutoConfig.from_pretrained(source))
-        scheme_or_rules = STANDARD_FORMATS[fmt].default_rules(scheme_or_rules, linears, head)
+        scheme_or_rules = STANDARD_FORMATS[fmt].default_rules(scheme_or_rules, AutoConfig.from_pretrained(source))
     check = check_gguf_plan if fmt == "gguf" else STANDARD_FORMATS[fmt].check_plan if fmt in STANDARD_FORMATS \
         else None
     if fmt == "hf":

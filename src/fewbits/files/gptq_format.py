@@ -36,7 +36,7 @@ from ..formats import IntFormat
 from ..quant.scheme import QuantScheme, get_scheme
 from ..quant.tensor import QuantizedTensor
 from .safetensors_format import FileFormatError
-from .standard_dir import StandardFormat, pack_int32, unpack_int32
+from .standard_dir import StandardFormat, linear_layers, pack_int32, unpack_int32
 
 QUANT_METHOD = "gptq"
 FITTING_PRESETS = ("w4a16", "w4a16_g32", "q4_0", "w8a16", "q8_0")
@@ -93,8 +93,8 @@ class GPTQ(StandardFormat):
                     f"({', '.join(labels)}); compressed-tensors holds mixed plans")
         return None
 
-    def default_rules(self, scheme, linears, head):
-        prefix = block_prefix(linears)
+    def default_rules(self, scheme, config):
+        prefix = block_prefix(linear_layers(config)[0])
         return {f"{prefix}.*": scheme} if prefix is not None else scheme
 
     def scheme_args(self, scheme) -> dict:

@@ -260,9 +260,9 @@ class StandardFormat:
         are `linears` and output layer `head` as a whole, or None (any plan, by default)."""
         return None
 
-    def default_rules(self, scheme, linears, head: str | None):
-        """The rules a scheme given alone stands for in this format (by default: itself, for
-        every Linear layer)."""
+    def default_rules(self, scheme, config):
+        """The rules a scheme given alone stands for in this format, for the model `config`
+        (a transformers config) describes (by default: itself, for every Linear layer)."""
         return scheme
 
     def _named(self, module: str, e: ValueError) -> ValueError:
