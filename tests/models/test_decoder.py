@@ -1,5 +1,6 @@
 """fewbits.models.decoder: LlamaDecoder's written-out forward gives transformers' logits bit for
-bit at every step and greedy_generate's tokens, on tiny random Llama / Mistral / Qwen2 models,
+bit at every step and greedy_generate's tokens, on tiny random Llama / Mistral / Qwen2 / Qwen3 /
+Gemma 3 models,
 fewbits-quantized ones and SmolLM2; unsupported models and lengths are refused before any work.
 No timing is checked here."""
 from __future__ import annotations
@@ -134,6 +135,47 @@ def smollm2_int4():
     model.config._attn_implementation = "sdpa"
     fb.quantize_model(model, "int4", tied="untie")
     return model
+
+
+def _gemma3(**overrides):
+    """A tiny Gemma 3: layers 0 and 1 sliding (a window of 6), layer 2 full, norms away from 0."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(**{**SMALL, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                              "sliding_window": 6, "sliding_window_pattern": 3,
+                                              "num_hidden_layers": 3, **overrides})
+    config._attn_implementation = "sdpa"
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("prompt", [4, 5, 6, 10])  # the window of 6 filled during decode, at its end, in the prompt
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 4}, {"final_logit_softcapping": 3.0},
+                                       {"tie_word_embeddings": False}])
+def test_gemma3_bit_for_bit(prompt, overrides):
+    """Gemma 3's blocks -- (1 + weight) norms before and after attention and MLP, q/k norms, GELU,
+    scaled embeddings, a RoPE base per kind of layer, sliding-window layers (masked as
+    transformers' sdpa attention masks them), final soft-capping -- give transformers' logits bit
+    for bit, before, at and past the window."""
+    model = _gemma3(**overrides)
+    assert model.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    _check_exact(model, _ids(prompt), new=12)
+
+
+def test_gemma3_quantized_bit_for_bit_and_on_the_torch_path():
+    model = _gemma3(tie_word_embeddings=False)
+    fb.quantize_model(model, "int4_g32", embeddings=True)
+    dec, _ = _check_exact(model, _ids(8), new=10)
+    assert "Gemma 3's" in LlamaDecoder(model).native_reason()
+    with pytest.raises(ValueError, match="path='native' cannot run this model: the native step computes Llama's"):
+        LlamaDecoder(model, path="native").generate(_ids(), 3)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        LlamaDecoder(_gemma3(attn_logit_softcapping=50.0))
 
 
 def test_smollm2_int4_bit_for_bit(smollm2_int4):

@@ -216,11 +216,15 @@ def _quant_convert(args, out, say) -> int:
     with scratch_directory(args.out) as tmp:  # a GGUF source's float model (a kill leaves it to the next run)
         say(f"reading {args.model} ...")
         source = _quant_source(args.model, os.path.join(tmp, "model"))
-        if fmt == "gguf" and tokenizer_files(source) is None:
+        # a GGUF source's own vocabulary, as it is (the tokenizer transformers builds from it is
+        # not always one the GGUF writer can spell back: Gemma's SentencePiece)
+        vocabulary = args.model if fmt == "gguf" and os.path.isfile(args.model) and args.model.lower().endswith(".gguf") \
+            else None
+        if fmt == "gguf" and vocabulary is None and tokenizer_files(source) is None:
             print(f"fewbits quantize: warning: {source} has no tokenizer files: the GGUF gets no vocabulary, so "
                   "llama.cpp can load it but not turn text into tokens", file=sys.stderr)
         plan = sq.conversion_plan(source, scheme, fmt, budget=args.budget, progress=say,
-                                  embeddings=args.embeddings, tied=args.tied)
+                                  embeddings=args.embeddings, tied=args.tied, vocabulary=vocabulary)
         calibration = None
         if args.method != "rtn":
             samples, length = sq_defaults()
@@ -237,7 +241,7 @@ def _quant_convert(args, out, say) -> int:
         say(f"quantizing into {args.out} ({fmt}) ...")
         summary = convert(source, args.out, plan["rules"], format=fmt, method=args.method, calibration=calibration,
                           embeddings=plan["embeddings"], tied=plan["tied"], overwrite=args.overwrite,
-                          progress=not args.quiet)
+                          progress=not args.quiet, vocabulary=vocabulary)
         floats = float_matrices(args.out) if fmt != "gguf" else []
         tied_source = _ties_embeddings(source)
     result = {"model": args.model, "format": fmt, "scheme": plan["scheme"], **summary.to_dict()}

@@ -90,13 +90,14 @@ def check_format_options(fmt: str, embeddings: bool = False, tied: str | None = 
         raise ValueError(f"--tied untie quantizes the output layer, which --format {fmt} keeps in float")
 
 
-def check_gguf_source(source) -> None:
+def check_gguf_source(source, vocabulary=None) -> None:
     """What the GGUF writer would refuse of the HF directory `source` (its architecture, config
-    or tokenizer), checked before the work of quantizing it: a ValueError."""
+    or tokenizer; `vocabulary`, a GGUF file whose vocabulary is written instead), checked before
+    the work of quantizing it: a ValueError."""
     from .gguf_file import check_model
 
     source = os.fspath(source)
-    check_model(_read_config(source), tokenizer_files(source))
+    check_model(_read_config(source), vocabulary if vocabulary is not None else tokenizer_files(source))
 
 
 def check_gguf_plan(plan, model=None) -> None:
@@ -134,9 +135,11 @@ def _size_on_disk(path: str) -> int:
 
 def convert(source, out, scheme_or_rules, *, format: str | None = None, method: str = "rtn", calibration=None,
             skip=(), embeddings: bool = False, tied: str = "keep", overwrite: bool = False,
-            progress: bool | Callable | None = None, **options) -> ConversionSummary:
+            progress: bool | Callable | None = None, vocabulary=None, **options) -> ConversionSummary:
     """Quantize the HF model directory `source` with `scheme_or_rules` (as fb.quantize_model)
     and write it to `out` in `format` (see the module docstring; default from out's name).
+    vocabulary: for GGUF, a GGUF file whose vocabulary (its tokenizer.* keys, as they are) is
+    written instead of the source's tokenizer files -- a model read from a GGUF keeps its own.
     Returns the ConversionSummary, whose `bytes` is the size of the output on disk and, for GGUF,
     `types` the GGML types written with their tensor counts (llama.cpp's fallbacks show there)."""
     from .hf_dir import read_tensors
@@ -151,8 +154,10 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
         parent = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"{out}: the directory {parent} does not exist")
+    if vocabulary is not None and fmt != "gguf":
+        raise ValueError(f"vocabulary (a GGUF file's) goes with format gguf, not {fmt}")
     if fmt == "gguf":
-        check_gguf_source(source)
+        check_gguf_source(source, vocabulary)
     check_format_options(fmt, embeddings, tied)
     if fmt in STANDARD_FORMATS and not isinstance(scheme_or_rules, Mapping):
         from transformers import AutoConfig
@@ -184,7 +189,8 @@ def convert(source, out, scheme_or_rules, *, format: str | None = None, method: 
             from .gguf_file import write_gguf
             # the source's tokenizer files (the staged copies are the same): errors name the source
             written = write_gguf(out, read_tensors(staged), AutoConfig.from_pretrained(staged),
-                                 tokenizer=tokenizer_files(os.fspath(source)), overwrite=overwrite)
+                                 tokenizer=vocabulary if vocabulary is not None else tokenizer_files(os.fspath(source)),
+                                 overwrite=overwrite)
             summary.types = dict(written.types)
         elif fmt in STANDARD_FORMATS:
             STANDARD_FORMATS[fmt].write(out, read_tensors(staged), tokenizer=tokenizer_files(os.fspath(source)),

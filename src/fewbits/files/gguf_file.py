@@ -120,15 +120,24 @@ from ..quant.tensor import QuantizedTensor
 from .gguf_blocks import GGUF_BLOCK_TYPES, encode_blocks, gguf_block_type
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "BertModel": "bert"}
+                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "BertModel": "bert"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "bert": "BertModel"}
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "bert": "BertModel"}
 # the decoders: Llama's blocks (RMSNorm, rotary attention with grouped keys and values, SwiGLU);
-# Qwen2 adds biases to q/k/v, Qwen3 RMSNorms of q and k per head
-DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Qwen2 adds biases to q/k/v, Qwen3 RMSNorms of q and k per head; Gemma 3 (text) q/k norms, norms
+# after attention and after the MLP, GELU (tanh), scaled embeddings and sliding-window layers
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 # per block, the tensors each decoder's GGUF must have besides Llama's
 _EXTRA_PER_BLOCK = {"Qwen2ForCausalLM": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-                    "Qwen3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight")}
+                    "Qwen3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight"),
+                    "Gemma3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
+                                          "post_ffw_norm.weight")}
+# Gemma's RMSNorms multiply by (1 + weight); llama.cpp's converter stores 1 + weight (in float32
+# here, as transformers computes it), so llama.cpp multiplies by the stored value
+NORM_SHIFTED = ("gemma3",)
+# the transformers config class of each model_type the GGUF reader builds
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "gemma3_text": "Gemma3TextConfig"}
 
 
 def _decoder(arch: str) -> bool:
@@ -144,6 +153,11 @@ def rows_permuted(gguf_arch: str) -> bool:
 
 def _rotary_permuted(arch: str) -> bool:
     return rows_permuted(ARCHITECTURES[arch])
+
+
+def norm_shifted(gguf_arch: str, gguf_name: str) -> bool:
+    """Whether the GGUF tensor holds 1 + the Hugging Face weight (a Gemma RMSNorm's)."""
+    return gguf_arch in NORM_SHIFTED and gguf_name.endswith("norm.weight")
 
 
 # the transformers class each GGUF decoder architecture is read as (Mistral's files are "llama": Llama)
@@ -388,6 +402,7 @@ class _Entry:
     quantized: bool
     nbytes: int
     heads: int | None    # q/k row permutation over this many heads (llama), else None
+    shift: bool = False  # written as 1 + the value (a Gemma norm), in float32
 
 
 def _skipped(name: str, arch: str, tied: bool) -> bool:
@@ -486,7 +501,10 @@ def _plan(tensors: Mapping, cfg: dict, arch: str) -> list[_Entry]:
         if heads is not None and shape[0] % (2 * heads):
             problems.append(f"{name}: {shape[0]} rows do not split into {heads} heads of rotary pairs")
             continue
-        entries.append(_Entry(name, gname, shape, ggml, quantized, nbytes, heads))
+        shift = norm_shifted(ARCHITECTURES[arch], gname) and not quantized
+        if shift and ggml != "F32":
+            ggml, nbytes = "F32", math.prod(shape) * 4
+        entries.append(_Entry(name, gname, shape, ggml, quantized, nbytes, heads, shift))
     missing = [n for n in _required(cfg, arch) if n not in seen]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -549,6 +567,8 @@ def _data(value, e: _Entry) -> np.ndarray:
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != e.shape:
             raise ValueError(f"{e.name} changed between the two reads of the mapping")
         t = value.detach().to("cpu")
+        if e.shift:  # 1 + w in float32: the factor transformers' Gemma RMSNorm multiplies by
+            t = 1.0 + t.to(torch.float32)
         if e.ggml == "F32":
             arr = t.to(torch.float32).contiguous().numpy()
         elif e.ggml == "F16":
@@ -590,6 +610,7 @@ class _Vocab:
     chat_template: object = None
     add_space_prefix: bool | None = None
     token_type_count: int | None = None
+    copied: dict | None = None  # {key: GGUFValue} of another GGUF file's tokenizer.*, written as they are
 
 
 # tokenizer.ggml.pre names of split regexes (llama.cpp's names; transformers' GGUF reader holds the
@@ -657,10 +678,38 @@ def _looks_control(token: str) -> bool:
     return token.startswith("<|") and token.endswith("|>")
 
 
+def _is_gguf_file(tokenizer) -> bool:
+    return isinstance(tokenizer, (str, os.PathLike)) and os.fspath(tokenizer).lower().endswith(".gguf") \
+        and os.path.isfile(tokenizer)
+
+
+def _gguf_vocabulary(path, cfg: dict) -> _Vocab:
+    """The vocabulary of the GGUF file at `path`: its tokenizer.* keys, to be written as they are
+    (a SentencePiece vocabulary, Gemma's, included); the header read with fewbits' bounded
+    reader, the keys llama.cpp needs checked."""
+    from .gguf_header import read_header
+
+    header = read_header(path)
+    keys = {k: v for k, v in header.metadata.items() if k.startswith("tokenizer.")}
+    model = keys.get("tokenizer.ggml.model")
+    if model is None or model.type != "string":
+        raise ValueError(f"{path} has no vocabulary to copy (tokenizer.ggml.model is missing or not a string)")
+    tokens = keys.get("tokenizer.ggml.tokens")
+    if model.value != "none":
+        if tokens is None or tokens.type != "array[string]":
+            raise ValueError(f"{path}: tokenizer.ggml.tokens is missing or not an array of strings")
+        if len(tokens.value) > _need(cfg, "vocab_size"):
+            raise ValueError(f"{path}'s vocabulary has {len(tokens.value)} tokens, more than the model's vocab_size "
+                             f"{cfg['vocab_size']}")
+    return _Vocab(model=model.value, copied=keys)
+
+
 def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
     gguf = _gguf()
     if tokenizer is None:
         return _Vocab(model="none")
+    if _is_gguf_file(tokenizer):
+        return _gguf_vocabulary(os.fspath(tokenizer), cfg)
     tok = _load_tokenizer(tokenizer)
     backend = json.loads(tok.backend_tokenizer.to_str())
     kind = (backend.get("model") or {}).get("type")
@@ -716,7 +765,27 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
     return v
 
 
+# fewbits.files.gguf_header's value types: the gguf package's
+_VALUE_TYPES = {"u8": "UINT8", "i8": "INT8", "u16": "UINT16", "i16": "INT16", "u32": "UINT32", "i32": "INT32",
+                "f32": "FLOAT32", "bool": "BOOL", "string": "STRING", "u64": "UINT64", "i64": "INT64",
+                "f64": "FLOAT64"}
+
+
+def _add_copied(w, keys: dict) -> None:
+    T = _gguf().GGUFValueType
+    for key, v in keys.items():
+        if v.type.startswith("array["):
+            items = v.value.tolist() if isinstance(v.value, np.ndarray) else list(v.value)
+            if items:  # GGUF has no empty arrays (the writer refuses them)
+                w.add_key_value(key, items, T.ARRAY, sub_type=T[_VALUE_TYPES[v.type[6:-1]]])
+        else:
+            w.add_key_value(key, v.value, T[_VALUE_TYPES[v.type]])
+
+
 def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
+    if v.copied is not None:
+        _add_copied(w, v.copied)
+        return
     w.add_tokenizer_model(v.model)
     if v.model == "none":
         return
@@ -745,10 +814,15 @@ def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # metadata
 # ---------------------------------------------------------------------------------------------
-def _rope(cfg: dict) -> tuple[float, float | None]:
+def _rope(cfg: dict, layer_type: str | None = None) -> tuple[float, float | None]:
     """(rope theta, the linear scaling factor or None): the RoPE llama.cpp's keys can say;
-    another rope type is a ValueError."""
+    another rope type is a ValueError. layer_type: that kind of layer's ("full_attention",
+    "sliding_attention") where the config has RoPE parameters per kind (Gemma 3)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if layer_type is not None and isinstance(rope, Mapping) and isinstance(rope.get(layer_type), Mapping):
+        rope = rope[layer_type]
+        if rope.get("rope_theta") is not None:
+            cfg = {k: v for k, v in cfg.items() if k != "rope_theta"}  # the kind's own theta
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, Mapping) else None
     factor = None
     if rope_type == "linear":
@@ -813,17 +887,20 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
     w.add_feed_forward_length(d["intermediate_size"])
     w.add_head_count(d["num_attention_heads"])
     if _decoder(arch):
+        gemma = arch == "Gemma3ForCausalLM"
         w.add_head_count_kv(d["num_key_value_heads"])
-        theta, factor = _rope(cfg)
+        theta, factor = _rope(cfg, "full_attention" if gemma else None)
         w.add_rope_freq_base(theta)
         if factor is not None:  # llama.cpp: rope.scaling.type linear, freq_scale = 1 / factor
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(factor)
         w.add_rope_dimension_count(d["head_dim"])
-        if d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
-            w.add_key_length(d["head_dim"])
+        if gemma or d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
+            w.add_key_length(d["head_dim"])  # transformers' Gemma 3 reader takes head_dim from it
             w.add_value_length(d["head_dim"])
         w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+        if gemma:
+            _add_gemma3_metadata(w, cfg, d)
     else:
         w.add_layer_norm_eps(float(cfg.get("layer_norm_eps", 1e-12)))
         w.add_causal_attention(False)
@@ -833,15 +910,90 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> 
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def gemma3_layer_types(cfg: dict) -> list[str]:
+    """A Gemma 3 config's kind of each layer ("sliding_attention" or "full_attention"): its
+    layer_types, or transformers' default (every sixth layer full); a ValueError if malformed."""
+    n = _need(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if not isinstance(types, (list, tuple)) or len(types) != n \
+            or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {n} layers")
+    return list(types)
+
+
+def gemma3_attention_scalar(cfg: dict, d: dict) -> int | float:
+    """The query_pre_attn_scalar llama.cpp's gemma3 computes with: the head size, but
+    hidden_size / heads for the 62-layer (27B) model, as Google's reference does."""
+    if d["num_hidden_layers"] == 62:
+        q, r = divmod(d["hidden_size"], d["num_attention_heads"])
+        return q if r == 0 else d["hidden_size"] / d["num_attention_heads"]
+    return int(d["head_dim"])
+
+
+def _swa_pattern(types: list[str]):
+    """llama.cpp's attention.sliding_window_pattern of these layer kinds: n where every n-th layer
+    is full (llama.cpp's set_swa_pattern), else one bool per layer (True: sliding)."""
+    sliding = [t == "sliding_attention" for t in types]
+    for n in range(1, len(types) + 2):  # len + 1: every layer sliding
+        if sliding == [(i % n) < n - 1 for i in range(len(types))]:
+            return n
+    return sliding
+
+
+def _add_gemma3_metadata(w, cfg: dict, d: dict) -> None:
+    types = gemma3_layer_types(cfg)
+    if "sliding_attention" in types:
+        w.add_sliding_window(int(cfg["sliding_window"]))
+        w.add_sliding_window_pattern(_swa_pattern(types))
+        w.add_rope_freq_base_swa(_rope(cfg, "sliding_attention")[0])
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None:
+        w.add_final_logit_softcapping(float(cap))
+
+
+def _check_gemma3(cfg: dict, d: dict) -> None:
+    """What llama.cpp's gemma3 cannot compute as transformers' Gemma3ForCausalLM does: a ValueError."""
+    types = gemma3_layer_types(cfg)
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias: llama.cpp's gemma3 has no attention biases")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping: llama.cpp's gemma3 does not cap attention scores")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: llama.cpp's gemma3 is causal")
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                            or cap <= 0):
+        raise ValueError(f"final_logit_softcapping must be a finite number > 0 or None, got {cap!r}")
+    scalar, want = cfg.get("query_pre_attn_scalar", 256), gemma3_attention_scalar(cfg, d)
+    if scalar != want:
+        raise ValueError(f"query_pre_attn_scalar {scalar!r}: llama.cpp's gemma3 scales queries by 1/sqrt({want:g}) "
+                         f"for this model ({d['num_hidden_layers']} layers, head_dim {d['head_dim']})")
+    if "sliding_attention" in types:
+        window = cfg.get("sliding_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window must be a positive int for the sliding layers, got {window!r}")
+        if _rope(cfg, "sliding_attention")[1] is not None:
+            raise ValueError("linear RoPE scaling of the sliding layers: llama.cpp's gemma3 scales only the full "
+                             "attention layers' RoPE")
+
+
 def _check_config(cfg: dict, arch: str) -> None:
     d = _dims(cfg, arch)
-    act = cfg.get("hidden_act", "silu" if _decoder(arch) else "gelu")
-    want = "silu" if _decoder(arch) else "gelu"
+    if arch == "Gemma3ForCausalLM":
+        act, want, key = cfg.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh", "hidden_activation"
+    else:
+        act, want, key = cfg.get("hidden_act", "silu" if _decoder(arch) else "gelu"), \
+            "silu" if _decoder(arch) else "gelu", "hidden_act"
     if act != want:
         raise ValueError(f"llama.cpp's {ARCHITECTURES[arch]} architecture computes {want}; this config has "
-                         f"hidden_act {act!r}")
+                         f"{key} {act!r}")
+    if arch == "Gemma3ForCausalLM":
+        _check_gemma3(cfg, d)
     if _decoder(arch):
-        _rope(cfg)
+        _rope(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None)
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
             types = cfg.get("layer_types")
             if not isinstance(types, (list, tuple)) or "sliding_attention" in types:
@@ -884,8 +1036,10 @@ def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: boo
         for names, shapes and types, once for the data, one tensor at a time); may be lazy.
     config: the model's transformers PretrainedConfig or its config.json dict (LlamaForCausalLM
         or BertModel).
-    tokenizer: a transformers fast tokenizer or a directory with its files; None writes no
-        vocabulary (tokenizer.ggml.model "none").
+    tokenizer: a transformers fast tokenizer or a directory with its files (a byte-level BPE
+        for the decoders, WordPiece for BERT); or a GGUF file, whose tokenizer.* keys are written
+        as they are (any vocabulary llama.cpp has: a model read from a GGUF keeps its own); None
+        writes no vocabulary (tokenizer.ggml.model "none").
     overwrite: replace an existing file (otherwise FileExistsError).
     progress: True for a bar on stderr, or a callable(done, total, name); per tensor written.
     file_type: general.file_type as a recipe name ("q4_k_m", "q4_0", "f16", ...); inferred when None.

@@ -50,7 +50,8 @@ import torch
 
 from ..quant.tensor import QuantizedTensor, stored_problem
 from .gguf_blocks import GGUF_BLOCK_TYPES, decode_blocks
-from .gguf_file import READ_CLASSES, rotary_permutation, rows_permuted
+from .gguf_file import (CONFIG_CLASSES, READ_CLASSES, gemma3_attention_scalar, norm_shifted, rotary_permutation,
+                        rows_permuted)
 from .gguf_header import FLOAT_TYPES, INTEGER_TYPES, GGUFHeader, read_header
 from .safetensors_format import FileFormatError
 
@@ -62,6 +63,9 @@ _READ = {"block_count", "context_length", "embedding_length", "feed_forward_leng
          "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
          "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size", "rope.scaling.type",
          "rope.scaling.factor", "rope.scale_linear"}
+# keys only some architectures read (besides _READ)
+_READ_ALSO = {"gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+                         "final_logit_softcapping"}}
 _NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
             "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None,
             "tensor_data_layout": None}  # early converters' "Meta AI original pth": llama.cpp never reads it
@@ -146,7 +150,7 @@ def _check_other_keys(k: _Keys) -> None:
         if not full.startswith(k.prefix):
             continue
         key = full[len(k.prefix):]
-        if key in _READ:
+        if key in _READ or key in _READ_ALSO.get(k.prefix[:-1], ()):
             continue
         if key not in _NEUTRAL:
             k.fail(f"{full} is not a key fewbits applies (it reads {', '.join(sorted(_READ))}); "
@@ -184,6 +188,39 @@ def _check_vocabulary(header: GGUFHeader, rows: int, cfg: dict) -> None:
         if tid >= (n if n is not None else rows):
             fail(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n if n is not None else rows}")
         cfg[field] = tid
+
+
+def _gemma3_config(k: _Keys, cfg: dict) -> None:
+    """Gemma 3's fields, as llama.cpp's gemma3 computes: sliding-window layers by
+    attention.sliding_window_pattern (one bool per layer, or n: every n-th layer full; 6 where
+    absent), their RoPE base rope.freq_base_swa (10000 where absent), queries scaled by
+    1/sqrt(head size) (hidden / heads at 62 layers), GELU (tanh), the final logits soft-capped by
+    final_logit_softcapping where given."""
+    p, n = k.prefix, cfg["num_hidden_layers"]
+    window = k.int("attention.sliding_window", 0, minimum=0)
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if "rope_scaling" in cfg:
+        full.update(cfg.pop("rope_scaling"))
+    sliding = {"rope_type": "default", "rope_theta": k.float("rope.freq_base_swa", 10000.0)}
+    if window > 0:
+        v = k.h.metadata.get(p + "attention.sliding_window_pattern")
+        if v is None or v.type in INTEGER_TYPES:
+            pattern = 6 if v is None else int(v.value)
+            types = ["sliding_attention" if pattern == 0 or i % pattern < pattern - 1 else "full_attention"
+                     for i in range(n)]
+        elif v.type == "array[bool]" and len(v.value) == n:
+            types = ["sliding_attention" if b else "full_attention" for b in v.value]
+        else:
+            k.fail(f"{p}attention.sliding_window_pattern must be an integer or {n} bools (one per layer), got "
+                   f"{v.type} {_shown(v.value)}")
+        cfg["sliding_window"] = window
+    else:
+        types = ["full_attention"] * n
+    cap = k.float("final_logit_softcapping", 0.0, zero_ok=True)
+    cfg.update(model_type="gemma3_text", layer_types=types, hidden_activation="gelu_pytorch_tanh",
+               query_pre_attn_scalar=gemma3_attention_scalar(cfg, cfg),
+               rope_parameters={"full_attention": full, "sliding_attention": sliding},
+               final_logit_softcapping=cap if cap > 0 else None)
 
 
 def llama_config(header: GGUFHeader) -> dict:
@@ -252,6 +289,8 @@ def llama_config(header: GGUFHeader) -> dict:
     scaling = _rope_scaling(k)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
+    if arch.value == "gemma3":
+        _gemma3_config(k, cfg)
     _check_vocabulary(header, rows, cfg)
     return cfg
 
@@ -260,7 +299,12 @@ def _config(cfg: dict):
     """The transformers config object of llama_config's fields (its architecture's class)."""
     import transformers
 
-    return getattr(transformers, READ_CLASSES[cfg["model_type"]].replace("ForCausalLM", "Config"))(**cfg)
+    return getattr(transformers, CONFIG_CLASSES[cfg["model_type"]])(**cfg)
+
+
+def _gguf_arch(cfg: dict) -> str:
+    """The GGUF architecture name of llama_config's fields."""
+    return "gemma3" if cfg["model_type"] == "gemma3_text" else cfg["model_type"]
 
 
 def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -270,8 +314,8 @@ def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 
     config = _config(cfg)
     with torch.device("meta"):  # sizes checked against the tensors before (llama_config)
-        model = getattr(transformers, READ_CLASSES[cfg["model_type"]])(config)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[cfg["model_type"].upper()], config.num_hidden_layers)
+        model = getattr(transformers, READ_CLASSES[_gguf_arch(cfg)])(config)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[_gguf_arch(cfg).upper()], config.num_hidden_layers)
     out = {}
     for name, t in model.state_dict().items():
         if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
@@ -305,8 +349,9 @@ def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dic
             raise
         raise FileFormatError(path, f"transformers cannot build the {cfg['model_type']} it describes: {e}") from None
     # llama.cpp's "llama" rows of q / k permuted (rotary pairs); qwen2 / qwen3 as transformers holds them
+    arch = _gguf_arch(cfg)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} \
-        if rows_permuted(cfg["model_type"]) else {}
+        if rows_permuted(arch) else {}
     data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors, problems = {}, []
     for t in header.tensors:
@@ -348,6 +393,8 @@ def read_gguf(path, checked: tuple[GGUFHeader, dict] | None = None) -> tuple[dic
             if t.ggml_type == "BF16":
                 value = value.view(torch.bfloat16)
             bad = None if bool(torch.isfinite(value).all()) else "holds NaN or infinite values"
+            if bad is None and norm_shifted(arch, t.name):  # the file holds 1 + Gemma's weight
+                value = value.to(torch.float32) - 1.0
         if bad is not None:
             problems.append(f"{t.name}: {bad}")
             continue

@@ -49,7 +49,7 @@ from torch import nn
 
 from .._version import __version__
 from ..atomic import DirectoryReplacement
-from ..quant.modules import QuantEmbedding, QuantLinear
+from ..quant.modules import QuantEmbedding, QuantLinear, embedding_scale
 from ..quant.plan import is_quantized, set_submodule
 from ..quant.scheme import QuantScheme
 from ..quant.tensor import QuantizedTensor, expected_keys, state_shapes, stored_problem
@@ -891,7 +891,7 @@ def empty_quantized_modules(model: nn.Module, plan: dict, where="quantization_co
             if module.max_norm is not None:
                 problems.append(f"{name!r}: an embedding with max_norm cannot be quantized")
                 continue
-            new[name] = QuantEmbedding.empty(scheme, shape, dtype, module.padding_idx)
+            new[name] = QuantEmbedding.empty(scheme, shape, dtype, module.padding_idx, scale=embedding_scale(module))
     if problems:
         raise FileFormatError(where, f"does not match the model ({len(problems)} problem"
                               f"{'s' if len(problems) > 1 else ''}): {'; '.join(problems[:8])}")

