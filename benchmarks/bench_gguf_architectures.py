@@ -1,6 +1,7 @@
 """Does llama.cpp compute what transformers computes, for the GGUFs fewbits writes of each decoder
 architecture? SmolLM2-135M's trained weights dressed as Llama, Mistral, Qwen2 (zero q/k/v
-biases: the same function) and Qwen3 (its per-head q/k RMSNorms with weight 1: another function),
+biases: the same function), Phi-3 (q/k/v and gate/up fused: the same function) and Qwen3 (its
+per-head q/k RMSNorms with weight 1: another function),
 each written by `fewbits quantize DIR --scheme S --format gguf` and scored by llama.cpp's own
 `llama-perplexity`; transformers scores the same tokens the same way.
 
@@ -40,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_gguf_decode import tools_dir  # noqa: E402  (llama.cpp's tools, built once by setup_llama_tools.sh)
 
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 def gemma_source(work: str) -> str | None:
@@ -77,12 +78,20 @@ def dressed(kind: str, out: str) -> str:
     fields = {k: cfg[k] for k in keep if k in cfg}
     if fields.get("rope_theta") is None:
         fields["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
     extra = {"mistral": {"sliding_window": None}, "qwen3": {"head_dim": fields["hidden_size"] // fields["num_attention_heads"]},
-             "qwen2": {}, "llama": {}}[kind]
+             "qwen2": {}, "llama": {}, "phi3": {"sliding_window": None}}[kind]
     config = getattr(transformers, names + "Config")(**fields, **extra)
     model = getattr(transformers, names + "ForCausalLM")(config)
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    state = base.state_dict()
+    if kind == "phi3":  # q/k/v and gate/up fused, in transformers' Phi3 order (the same function)
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            state[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [state.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            state[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [state.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    missing, unexpected = model.load_state_dict(state, strict=False)
     for name in missing:  # Qwen2's q/k/v biases: zero; Qwen3's q/k norms: one
         p = model.get_parameter(name)
         with torch.no_grad():

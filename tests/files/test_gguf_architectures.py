@@ -1,6 +1,7 @@
 """GGUF export of the decoders besides Llama: Mistral (written as llama.cpp's "llama", rows
-permuted), Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorms), both "qwen2"/"qwen3" (rotary halves, as
-transformers: no permutation). Each file is read by the other tools' readers -- gguf.GGUFReader
+permuted), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorms) and Phi-3 (fused q/k/v and gate/up), as
+"qwen2"/"qwen3"/"phi3" (rotary halves, as transformers: no permutation); Gemma 3 in
+test_gguf_gemma3.py. Each file is read by the other tools' readers -- gguf.GGUFReader
 for tensors and metadata (bit for bit), transformers' GGUF loader for the model (its logits equal
 to the model with fewbits' dequantized weights, bit for bit) and its tokenizer -- and by fewbits'
 own reader (fb.from_pretrained), whose model gives transformers' logits. llama.cpp runs them in
@@ -24,7 +25,9 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 # attention.key_length for qwen3): the tiny model keeps hidden / heads = 128
 KINDS = {"mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": None}),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
-         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 128})}
+         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 128}),
+         # Phi-3: q/k/v and gate/up fused (attn_qkv, ffn_up of 2 x ffn rows); its pad id default 32000
+         "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"pad_token_id": 0, "sliding_window": None})}
 
 
 def _model(kind: str, tied: bool = False, **overrides):
@@ -73,6 +76,8 @@ def test_transformers_reads_the_model_and_its_logits_are_fewbits(tmp_path, kind,
         assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.1.attn_v.bias"} <= names
     if kind == "qwen3":
         assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
+    if kind == "phi3":
+        assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight"} <= names and "blk.0.ffn_gate.weight" not in names
     assert ("output.weight" in names) == (not tied)
     read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -102,7 +107,11 @@ def test_recipes_cover_the_new_decoders():
     for kind in KINDS:
         cfg = _model(kind).config
         r = gguf_recipe("q4_k_m", cfg)
-        assert r["model.layers.0.self_attn.q_proj"] == "q4_k" and r["model.layers.1.mlp.down_proj"] == "q6_k"
+        if kind == "phi3":  # llama.cpp's q4_k_m gives a fused attn_qkv Q5_K
+            assert r["model.layers.0.self_attn.qkv_proj"] == "q5_k" and r["model.layers.0.mlp.gate_up_proj"] == "q4_k"
+        else:
+            assert r["model.layers.0.self_attn.q_proj"] == "q4_k"
+        assert r["model.layers.1.mlp.down_proj"] == "q6_k"
 
 
 def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_path):
@@ -113,9 +122,13 @@ def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_pat
     model = _model("qwen3", attention_bias=True)
     with pytest.raises(ValueError, match="attention_bias"):
         write_gguf(tmp_path / "b.gguf", _tensors(model, None), model.config)
-    model = _model("mistral", sliding_window=64)
-    with pytest.warns(UserWarning, match="sliding_window 64"):
-        write_gguf(tmp_path / "m.gguf", _tensors(model, None), model.config)
+    for kind in ("mistral", "phi3"):
+        model = _model(kind, sliding_window=64)
+        with pytest.warns(UserWarning, match="sliding_window 64"):
+            write_gguf(tmp_path / f"{kind}.gguf", _tensors(model, None), model.config, overwrite=True)
+    model = _model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        write_gguf(tmp_path / "p.gguf", _tensors(model, None), model.config)
     model = _model("qwen2", hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
         write_gguf(tmp_path / "g.gguf", _tensors(model, None), model.config)
@@ -143,7 +156,9 @@ def test_fewbits_quantize_streams_a_directory_of_each_architecture_into_gguf(tmp
                    "--method", method])
     assert rc == 0, err.getvalue()
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
-    assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
+    assert types["blk.0.attn_qkv.weight" if kind == "phi3" else "blk.0.attn_q.weight"] == \
+        ("Q5_K" if kind == "phi3" else "Q4_K")
+    assert types["blk.1.ffn_down.weight"] == "Q6_K"
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
     read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -180,8 +195,8 @@ def test_crafted_qwen_files_are_refused_before_any_model_is_built(tmp_path):
         return ("f32", float(v)) if isinstance(v, float) else ("u32", int(v))
 
     cases = {
-        "phi3 architecture": (crafted("g.gguf", set={"general.architecture": ("string", "phi3")}),
-                              "architectures gemma3, llama, qwen2, qwen3; this one is 'phi3'"),
+        "gemma2 architecture": (crafted("g.gguf", set={"general.architecture": ("string", "gemma2")}),
+                                "architectures gemma3, llama, phi3, qwen2, qwen3; this one is 'gemma2'"),
         "keys under llama.": (crafted("k.gguf", drop=tuple(keys), set={k.replace("qwen2.", "llama.", 1): typed(v)
                                                                        for k, v in keys.items()}),
                               "qwen2.block_count is missing"),

@@ -225,6 +225,8 @@ def test_llama_reader_sees_every_key_tensor_and_value(tmp_path, scheme):
     want = llama_metadata(cfg, ftype)
     want["general.quantization_version"] = 2
     want["tokenizer.ggml.model"] = "none"
+    # no vocabulary, but the config's special ids (transformers' GGUF loader builds the config from them)
+    want.update({"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 2})
     assert meta == want
     check_tensors(path, tensors, cfg, "llama")
     assert "output.weight" not in [t.name for t in reader.tensors]  # tied
@@ -622,11 +624,12 @@ def assert_nothing_written(directory, name):
 
 def test_unsupported_architecture(tmp_path):
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    supported = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, BertModel"
+    supported = ("supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
+                 "Phi3ForCausalLM, BertModel")
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel|model_type 'gpt2'.*" + supported):
         write_gguf(tmp_path / "x.gguf", {}, cfg)
     with pytest.raises(ValueError, match=supported):
-        gguf_recipe("q4_0", {"architectures": ["PhiForCausalLM"]})
+        gguf_recipe("q4_0", {"architectures": ["PhiForCausalLM"]})  # Phi-1/2, not Phi-3
     assert_nothing_written(tmp_path, "x.gguf")
 
 

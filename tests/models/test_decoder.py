@@ -25,7 +25,8 @@ def _model(kind: str = "llama", dtype=torch.float32, **overrides):
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "mistral": ("MistralConfig", "MistralForCausalLM"),
                              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                             "phi3": ("Phi3Config", "Phi3ForCausalLM")}[kind]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**SMALL, **overrides})
     config._attn_implementation = "sdpa"
@@ -78,6 +79,7 @@ def _check_exact(model, ids, new=NEW):
     ("mistral", {}),
     ("qwen2", {}),                                   # q/k/v biases
     ("qwen3", {"head_dim": 16}),                     # q/k norms per head
+    ("phi3", {"pad_token_id": 0}),                   # fused q/k/v and gate/up
 ])
 def test_float_models_bit_for_bit(kind, overrides):
     _check_exact(_model(kind, **overrides), _ids())
@@ -165,6 +167,13 @@ def test_gemma3_bit_for_bit(prompt, overrides):
     model = _gemma3(**overrides)
     assert model.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     _check_exact(model, _ids(prompt), new=12)
+
+
+def test_phi3_quantized_bit_for_bit_and_on_the_torch_path():
+    model = _model("phi3", pad_token_id=0)
+    fb.quantize_model(model, "int4_g32")
+    _check_exact(model, _ids(), new=10)
+    assert "Phi-3's fused ones" in LlamaDecoder(model).native_reason()
 
 
 def test_gemma3_quantized_bit_for_bit_and_on_the_torch_path():

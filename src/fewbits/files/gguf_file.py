@@ -120,13 +120,18 @@ from ..quant.tensor import QuantizedTensor
 from .gguf_blocks import GGUF_BLOCK_TYPES, encode_blocks, gguf_block_type
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "BertModel": "bert"}
+                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                 "BertModel": "bert"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "bert": "BertModel"}
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "bert": "BertModel"}
 # the decoders: Llama's blocks (RMSNorm, rotary attention with grouped keys and values, SwiGLU);
 # Qwen2 adds biases to q/k/v, Qwen3 RMSNorms of q and k per head; Gemma 3 (text) q/k norms, norms
-# after attention and after the MLP, GELU (tanh), scaled embeddings and sliding-window layers
-DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# after attention and after the MLP, GELU (tanh), scaled embeddings and sliding-window layers; Phi-3
+# Llama's blocks with q/k/v in one matrix (attn_qkv) and gate/up in one (ffn_up, 2 x ffn rows)
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+            "Phi3ForCausalLM")
+FUSED = ("Phi3ForCausalLM",)
 # per block, the tensors each decoder's GGUF must have besides Llama's
 _EXTRA_PER_BLOCK = {"Qwen2ForCausalLM": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
                     "Qwen3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight"),
@@ -137,7 +142,7 @@ _EXTRA_PER_BLOCK = {"Qwen2ForCausalLM": ("attn_q.bias", "attn_k.bias", "attn_v.b
 NORM_SHIFTED = ("gemma3",)
 # the transformers config class of each model_type the GGUF reader builds
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "gemma3_text": "Gemma3TextConfig"}
+                  "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config"}
 
 
 def _decoder(arch: str) -> bool:
@@ -254,6 +259,11 @@ def _modules(cfg: dict, arch: str) -> list[_Module]:
         o_in = d["num_attention_heads"] * d["head_dim"]
         for i in range(n):
             p = f"model.layers.{i}."
+            if arch in FUSED:  # Phi-3: q/k/v and gate/up each one matrix
+                mods += [_Module(p + "self_attn.qkv_proj", "attn_qkv", i, h),
+                         _Module(p + "self_attn.o_proj", "attn_output", i, o_in),
+                         _Module(p + "mlp.gate_up_proj", "ffn_up", i, h), _Module(p + "mlp.down_proj", "ffn_down", i, ff)]
+                continue
             mods += [_Module(p + "self_attn.q_proj", "attn_q", i, h), _Module(p + "self_attn.k_proj", "attn_k", i, h),
                      _Module(p + "self_attn.v_proj", "attn_v", i, h),
                      _Module(p + "self_attn.o_proj", "attn_output", i, o_in),
@@ -332,6 +342,10 @@ def _mix_rule(recipe: str, m: _Module, n_layers: int, gqa: float) -> tuple[str |
         more = {"q2_k_m": "Q3_K", "q3_k_m": "Q4_K", "q3_k_l": "Q5_K"}.get(recipe)
         if more is not None:
             return more, f"{recipe}'s more bits for attn_output"
+    elif cat == "attn_qkv":  # a fused q/k/v (Phi-3)
+        more = {"q3_k_m": "Q4_K", "q3_k_l": "Q4_K", "q4_k_m": "Q5_K", "q5_k_m": "Q6_K"}.get(recipe)
+        if more is not None:
+            return more, f"{recipe}'s more bits for attn_qkv"
     return None, None
 
 
@@ -427,6 +441,9 @@ def _required(cfg: dict, arch: str) -> list[str]:
         per = ["attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
                *_EXTRA_PER_BLOCK.get(arch, ())]
+        if arch in FUSED:
+            per = ["attn_norm.weight", "ffn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
+                   "ffn_down.weight"]
     else:
         names = [f"{t}.{s}" for t in ("token_embd_norm",) for s in ("weight", "bias")]
         names += ["token_embd.weight", "token_types.weight", "position_embd.weight"]
@@ -787,7 +804,12 @@ def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
         _add_copied(w, v.copied)
         return
     w.add_tokenizer_model(v.model)
-    if v.model == "none":
+    if v.model == "none":  # no vocabulary, but the config's special ids (readers build configs from them)
+        for key, adder in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                           ("pad_token_id", w.add_pad_token_id)):
+            tid = cfg.get(key)
+            if isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < _need(cfg, "vocab_size"):
+                adder(tid)
         return
     if v.pre is not None:
         w.add_tokenizer_pre(v.pre)
@@ -1002,10 +1024,19 @@ def _check_config(cfg: dict, arch: str) -> None:
         if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
             raise ValueError("attention_bias: llama.cpp's qwen3 has no attention biases")
         window = cfg.get("sliding_window")
-        if arch == "MistralForCausalLM" and isinstance(window, int) and window < d["max_position_embeddings"]:
-            warnings.warn(f"sliding_window {window}: llama.cpp's llama architecture (which Mistral is written as, as "
-                          "llama.cpp's converter writes it) attends over the whole context, so beyond "
+        if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and isinstance(window, int) \
+                and window < d["max_position_embeddings"]:
+            how = ("llama.cpp's llama architecture (which Mistral is written as, as llama.cpp's converter writes it)"
+                   if arch == "MistralForCausalLM" else "llama.cpp's phi3 (its sliding window is turned off)")
+            warnings.warn(f"sliding_window {window}: {how} attends over the whole context, so beyond "
                           f"{window} tokens it computes otherwise than transformers", UserWarning, stacklevel=4)
+        if arch == "Phi3ForCausalLM":
+            rope = cfg.get("rope_parameters") or {}
+            partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)
+                              if isinstance(rope, Mapping) else 1.0)
+            if partial not in (None, 1, 1.0):
+                raise ValueError(f"partial_rotary_factor {partial!r}: fewbits writes Phi-3 models that rotate whole "
+                                 "heads")
     elif cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg.get('position_embedding_type')!r}: llama.cpp's BERT "
                          "has absolute position embeddings only")

@@ -65,7 +65,9 @@ _READ = {"block_count", "context_length", "embedding_length", "feed_forward_leng
          "rope.scaling.factor", "rope.scale_linear"}
 # keys only some architectures read (besides _READ)
 _READ_ALSO = {"gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
-                         "final_logit_softcapping"}}
+                         "final_logit_softcapping"},
+              # llama.cpp turns Phi-3's sliding window off: read, and left off in the config too
+              "phi3": {"attention.sliding_window"}}
 _NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
             "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None,
             "tensor_data_layout": None}  # early converters' "Meta AI original pth": llama.cpp never reads it
@@ -272,9 +274,14 @@ def llama_config(header: GGUFHeader) -> dict:
     ffn = k.int("feed_forward_length")
     # the sizes the model is built with must be the tensors' own, checked before it is built
     # (a feed_forward_length of 2^63 overflowed inside torch)
-    for name, size, what in (("blk.0.attn_q.weight", heads * head_dim, "attention.head_count x the head size"),
-                             ("blk.0.attn_k.weight", kv_heads * head_dim, "attention.head_count_kv x the head size"),
-                             ("blk.0.ffn_up.weight", ffn, "feed_forward_length")):
+    shapes = (("blk.0.attn_q.weight", heads * head_dim, "attention.head_count x the head size"),
+              ("blk.0.attn_k.weight", kv_heads * head_dim, "attention.head_count_kv x the head size"),
+              ("blk.0.ffn_up.weight", ffn, "feed_forward_length"))
+    if arch.value == "phi3":  # q/k/v in one matrix, gate and up in one
+        shapes = (("blk.0.attn_qkv.weight", (heads + 2 * kv_heads) * head_dim,
+                   "(attention.head_count + 2 x head_count_kv) x the head size"),
+                  ("blk.0.ffn_up.weight", 2 * ffn, "2 x feed_forward_length"))
+    for name, size, what in shapes:
         t = next((t for t in header.tensors if t.name == name), None)
         if t is None:
             k.fail(f"{name} is missing")
@@ -291,6 +298,8 @@ def llama_config(header: GGUFHeader) -> dict:
         cfg["rope_scaling"] = scaling
     if arch.value == "gemma3":
         _gemma3_config(k, cfg)
+    if arch.value == "phi3":  # its defaults (pad 32000, ...) would lie outside a smaller vocabulary
+        cfg.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     _check_vocabulary(header, rows, cfg)
     return cfg
 

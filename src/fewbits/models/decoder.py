@@ -10,7 +10,7 @@ per generate(). What it leaves out is transformers' per-layer machinery: the Cac
 plumbing, which cost a small model more than its layers' arithmetic (SmolLM2-135M int4 at one
 thread on a Xeon: ~18 ms a token through transformers, of which ~8 ms are the linear layers).
 
-Exactness: every step is the operation transformers' Llama / Mistral / Qwen2 modules compute with
+Exactness: every step is the operation transformers' Llama / Mistral / Qwen / Phi-3 / Gemma 3 modules compute with
 the "sdpa" attention implementation, in the same order and dtypes (RMSNorm in float32 then the
 weight's product, rotate-half RoPE from the model's own rotary module, scaled_dot_product_attention
 with enable_gqa, act(gate) * up), so the logits of each step equal `model(...)`'s bit for bit
@@ -30,9 +30,12 @@ the logits then move as much as between transformers' own attention implementati
 Supported: `model.config.model_type` in SUPPORTED, the layer structure of transformers'
 LlamaForCausalLM (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj and act_fn,
 input_layernorm, post_attention_layernorm, model.norm, model.rotary_emb, lm_head; Qwen3's
-self_attn.q_norm / k_norm, an RMSNorm of each head of q and k before the rotation), a rotary
-embedding whose frequencies do not depend on the sequence length, and no sliding window within
-the generated length. Anything else raises ValueError naming what is missing, before any work.
+self_attn.q_norm / k_norm, an RMSNorm of each head of q and k before the rotation; Phi-3's fused
+self_attn.qkv_proj and mlp.gate_up_proj; Gemma 3's (1 + weight) norms, post-attention and
+post-MLP norms, a RoPE base per kind of layer, sliding-window layers and final soft-capping), a
+rotary embedding whose frequencies do not depend on the sequence length, and no sliding window
+within the generated length but Gemma 3's (which it applies). Anything else raises ValueError
+naming what is missing, before any work. Phi-3 and Gemma 3 run on the torch path only.
 The modules are looked up anew at each generate(), so a model changed in place (re-quantized,
 new weights) is always run as it is now.
 """
@@ -61,9 +64,9 @@ __all__ = ["LlamaDecoder"]
 PATHS = ("auto", "native", "torch")
 _SILU = ("SiLUActivation", "SiLU")
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
 # Gemma's: the product with (1 + weight) in float32, then the input's dtype (_gemma_rms_norm)
 _GEMMA_NORMS = ("Gemma3RMSNorm",)
 # rotary embeddings whose cos/sin for a position do not depend on how long the sequence is
@@ -76,6 +79,10 @@ _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 # post_feedforward_layernorm normalize the attention's and the MLP's outputs before the residual
 _GEMMA_LAYER_PARTS = _LAYER_PARTS[:-1] + ("pre_feedforward_layernorm",)
 _GEMMA_POST = ("post_attention_layernorm", "post_feedforward_layernorm")
+# Phi-3: q/k/v in one Linear (split after it), gate and up in one (chunked in two); the parts
+# tuple holds the fused Linear in q_proj's and gate_proj's places and None in the others'
+_PHI3_LAYER_PARTS = ("self_attn.qkv_proj", None, None, "self_attn.o_proj", "mlp.gate_up_proj", None,
+                     "mlp.down_proj", "mlp.activation_fn", "input_layernorm", "post_attention_layernorm")
 
 
 def _get(obj, dotted: str):
@@ -372,7 +379,8 @@ class LlamaDecoder:
         try:
             base, head = model.model, model.lm_head
             embed, layers, norm, rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
-            parts = [tuple(_get(layer, p) for p in (_GEMMA_LAYER_PARTS if gemma else _LAYER_PARTS)) for layer in layers]
+            names = _GEMMA_LAYER_PARTS if gemma else _PHI3_LAYER_PARTS if kind == "phi3" else _LAYER_PARTS
+            parts = [tuple(None if p is None else _get(layer, p) for p in names) for layer in layers]
             post = [tuple(_get(layer, p) for p in _GEMMA_POST) for layer in layers] if gemma else None
         except AttributeError as e:
             raise ValueError(f"LlamaDecoder needs transformers' Llama layer structure: {e}") from None
@@ -481,12 +489,19 @@ class LlamaDecoder:
             h = embed(ids)
             for i, (q_proj, k_proj, v_proj, o_proj, gate, up, down, act, norm1, norm2) in enumerate(parts):
                 x = rms(h, norm1)
-                q = q_proj(x).view(1, t, heads, head_dim)
-                k = k_proj(x).view(1, t, kv_heads, head_dim)
+                if k_proj is None:  # Phi-3: one matrix, split as transformers' Phi3Attention splits it
+                    qkv = q_proj(x)
+                    qs, ks = heads * head_dim, kv_heads * head_dim
+                    q = qkv[..., :qs].view(1, t, heads, head_dim)
+                    k = qkv[..., qs:qs + ks].view(1, t, kv_heads, head_dim)
+                    v = qkv[..., qs + ks:].view(1, t, kv_heads, head_dim).transpose(1, 2)
+                else:
+                    q = q_proj(x).view(1, t, heads, head_dim)
+                    k = k_proj(x).view(1, t, kv_heads, head_dim)
+                    v = v_proj(x).view(1, t, kv_heads, head_dim).transpose(1, 2)
                 if qk_norms[i] is not None:  # Qwen3, Gemma 3: each head normalized, then rotated
                     q, k = rms(q, qk_norms[i][0]), rms(k, qk_norms[i][1])
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
-                v = v_proj(x).view(1, t, kv_heads, head_dim).transpose(1, 2)
                 c, s = cs[types[i]]
                 q = q * c + _rotate_half(q) * s
                 k = k * c + _rotate_half(k) * s
@@ -503,7 +518,11 @@ class LlamaDecoder:
                     a = rms(a, post[i][0])
                 h = h + a
                 x = rms(h, norm2)
-                m = down(act(gate(x)) * up(x))
+                if up is None:  # Phi-3: gate and up from one matrix
+                    g, u = gate(x).chunk(2, dim=-1)
+                    m = down(u * act(g))
+                else:
+                    m = down(act(gate(x)) * up(x))
                 if post is not None:
                     m = rms(m, post[i][1])
                 h = h + m
@@ -552,6 +571,8 @@ class LlamaDecoder:
         if gemma is not None:
             return None, ("the native step computes Llama's blocks; Gemma 3's (norms after attention and MLP, "
                           "(1 + weight) norms, GELU, sliding-window layers) run on the torch path")
+        if parts[0][1] is None:
+            return None, "the native step takes separate q/k/v and gate/up projections; Phi-3's fused ones run on the torch path"
         if native.library() is None:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":
