@@ -1,9 +1,11 @@
 """decode.c, the one-call decode step (native.DecodeStep), piece by piece against the
 obviously-correct arithmetic: the rotary embedding bit for bit against the torch ops it stands
-for; the RMSNorm, one-query attention and SiLU gate against float64 within the float32 error
+for; the RMSNorm, one-query attention and SiLU and GELU (tanh) gates against float64 within the float32 error
 of their own steps; DecodeStep's checks of its arguments. The whole step against the torch
 decode path is tested in tests/models/test_decoder.py."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -211,3 +213,20 @@ def test_attention_the_same_bits_at_one_and_two_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_gelu_tanh_gate_within_float32_error_of_float64():
+    """Gemma's GELU (tanh) times the up projection: x / (1 + e^(-2y)) u, y = sqrt(2/pi) (x + 0.044715 x^3),
+    within a few float32 roundings of float64 (relative to |x u|: where e^(-2y) is large the result
+    is far below it) and of torch's F.gelu(approximate="tanh") in float32."""
+    g = torch.cat([torch.linspace(-20, 20, 4001), torch.randn(999, generator=_gen(5)),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 30.0, -30.0])])
+    u = torch.randn(g.numel(), generator=_gen(6))
+    got = g.clone()
+    LIB.fb_decode_gelu_tanh_mul(got.data_ptr(), u.data_ptr(), g.numel())
+    g64, u64 = g.double(), u.double()
+    ref = 0.5 * g64 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3))) * u64
+    assert ((got.double() - ref).abs() <= 16 * U * (g64 * u64).abs() + 1e-36).all()
+    torch_ref = torch.nn.functional.gelu(g, approximate="tanh") * u
+    assert ((got - torch_ref).abs() <= 16 * U * (g * u).abs() + 1e-36).all()
+    assert torch.equal(got[g == 0], torch.zeros_like(got[g == 0]))

@@ -169,20 +169,26 @@ def test_gemma3_bit_for_bit(prompt, overrides):
     _check_exact(model, _ids(prompt), new=12)
 
 
-def test_phi3_quantized_bit_for_bit_and_on_the_torch_path():
+@pytest.mark.parametrize("scheme", ["int4_g32", "q8_0", "w8a8"])
+def test_phi3_quantized_bit_for_bit_and_natively(scheme):
+    """Phi-3's fused q/k/v and gate/up: the torch path splits them as transformers does (bit for
+    bit); the native step runs each as one kernel writing q, k, v (gate, up) one after the other."""
     model = _model("phi3", pad_token_id=0)
-    fb.quantize_model(model, "int4_g32")
+    fb.quantize_model(model, scheme)
     _check_exact(model, _ids(), new=10)
-    assert "Phi-3's fused ones" in LlamaDecoder(model).native_reason()
+    _check_native(model, _ids(), new=10)
 
 
-def test_gemma3_quantized_bit_for_bit_and_on_the_torch_path():
-    model = _gemma3(tie_word_embeddings=False)
-    fb.quantize_model(model, "int4_g32", embeddings=True)
-    dec, _ = _check_exact(model, _ids(8), new=10)
-    assert "Gemma 3's" in LlamaDecoder(model).native_reason()
-    with pytest.raises(ValueError, match="path='native' cannot run this model: the native step computes Llama's"):
-        LlamaDecoder(model, path="native").generate(_ids(), 3)
+@pytest.mark.parametrize("scheme", ["int4_g32", "q8_0"])
+@pytest.mark.parametrize("prompt", [4, 10])  # the window of 6 filled during the native decode steps, in the prompt
+def test_gemma3_quantized_bit_for_bit_and_natively(scheme, prompt):
+    """Gemma 3 quantized (its scaled embedding too) on the torch path, bit for bit; natively: the
+    (1 + weight) norms, post norms, GELU (tanh), sliding window, RoPE base per kind of layer and
+    soft-capping in decode.c, within float32 roundings of the torch path."""
+    model = _gemma3(tie_word_embeddings=False, final_logit_softcapping=3.0)
+    fb.quantize_model(model, scheme, embeddings=True)
+    _check_exact(model, _ids(prompt), new=10)
+    _check_native(model, _ids(prompt), new=10)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         LlamaDecoder(_gemma3(attn_logit_softcapping=50.0))
 
@@ -306,7 +312,7 @@ def test_auto_falls_back_to_torch_and_native_says_why():
     dec.generate(_ids(), 3)
     assert dec.last_path == "native"
     model.model.layers[1].mlp.act_fn = torch.nn.GELU()
-    assert dec.native_reason() == "layer 1's activation is GELU, not SiLU"
+    assert dec.native_reason() == "layer 1's activation is GELU, not SiLU or GELU (tanh)"
     bf16 = _model(dtype=torch.bfloat16)
     assert "float32 models" in LlamaDecoder(bf16).native_reason()
     assert LlamaDecoder(model, path="torch").native_reason() == "path='torch'"

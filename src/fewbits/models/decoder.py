@@ -21,7 +21,8 @@ slice of the positions filled so far, where transformers' DynamicCache concatena
 The native path (path="auto" where it can run, "native" to insist): the prompt as above, then
 each new token in one C call, kernels/csrc/decode.c through native.DecodeStep, the linear layers
 by their own one-row kernels (QuantLinear.row_kernel()). It needs a float32 model on the CPU
-whose every projection has such a kernel and a SiLU MLP; native_reason() says what is missing.
+whose every projection has such a kernel and a SiLU or GELU (tanh) MLP; native_reason() says
+what is missing.
 Its reductions have their own order and precision, so its logits are the torch path's within a
 few float32 roundings (tests/models/test_decoder.py: 64 ulps of the largest logit) -- except
 that where activations are quantized (w8a8, w4a8) such a difference can move an int8 code, and
@@ -35,7 +36,9 @@ self_attn.qkv_proj and mlp.gate_up_proj; Gemma 3's (1 + weight) norms, post-atte
 post-MLP norms, a RoPE base per kind of layer, sliding-window layers and final soft-capping), a
 rotary embedding whose frequencies do not depend on the sequence length, and no sliding window
 within the generated length but Gemma 3's (which it applies). Anything else raises ValueError
-naming what is missing, before any work. Phi-3 and Gemma 3 run on the torch path only.
+naming what is missing, before any work. The native step runs them all (Gemma 3's GELU as
+x / (1 + e^(-2y)), its norms' 1 + weight precomputed in float32, Phi-3's fused projections one
+kernel each).
 The modules are looked up anew at each generate(), so a model changed in place (re-quantized,
 new weights) is always run as it is now.
 """
@@ -63,6 +66,7 @@ __all__ = ["LlamaDecoder"]
 # where it can run (see native_reason), else torch
 PATHS = ("auto", "native", "torch")
 _SILU = ("SiLUActivation", "SiLU")
+_GELU_TANH = ("GELUTanh",)  # transformers' gelu_pytorch_tanh (Gemma 3)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
@@ -105,6 +109,18 @@ def _gemma_rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
     x = h.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
     return (x * (1.0 + norm.weight.float())).type_as(h)
+
+
+def _native_norm(norm) -> tuple[torch.Tensor, float] | None:
+    """(the float32 weight the native step multiplies by, eps) of a supported norm: Gemma's
+    1 + weight in float32 (the factor transformers computes), Llama's weight; None for a weight
+    of another kind than float16/bfloat16/float32."""
+    w = norm.weight
+    if not w.is_floating_point() or w.dtype == torch.float64:
+        return None
+    if type(norm).__name__ in _GEMMA_NORMS:
+        return (1.0 + w.detach().float()), norm.eps
+    return w.detach().to(torch.float32), norm.variance_epsilon  # exact: what the product promotes it to
 
 
 def _norm_of(norm):
@@ -535,10 +551,13 @@ class LlamaDecoder:
         self._native = native_layers is not None
         if native_layers is None:
             return forward
-        cos, sin = rope[None]
-        step = native.DecodeStep(native.library(), native_layers, norm.weight.detach().to(torch.float32),
-                                 norm.variance_epsilon, k_cache, v_cache, cos, sin, heads, kv_heads, head_dim,
-                                 scaling)
+        cos, sin = rope[None] if None in rope else rope[types[-1]]
+        for spec in native_layers:  # Gemma 3: each layer's RoPE base
+            kind = spec.pop("rope", None)
+            if kind is not None:
+                spec["cos"], spec["sin"] = rope[kind]
+        step = native.DecodeStep(native.library(), native_layers, *_native_norm(norm), k_cache, v_cache, cos, sin,
+                                 heads, kv_heads, head_dim, scaling)
         d = step.d
 
         def native_forward(ids, position_ids, cache):
@@ -546,7 +565,10 @@ class LlamaDecoder:
                 return forward(ids, position_ids, cache)
             self.last_path = "native"
             h = embed(ids).reshape(d).to(torch.float32).contiguous()
-            return head(step(h, int(position_ids[0, 0])).view(1, 1, d))
+            logits = head(step(h, int(position_ids[0, 0])).view(1, 1, d))
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            return logits
 
         return native_forward
 
@@ -568,11 +590,6 @@ class LlamaDecoder:
         """(the layers' specs for native.DecodeStep, None) or (None, why not)."""
         if self.path == "torch":
             return None, "path='torch'"
-        if gemma is not None:
-            return None, ("the native step computes Llama's blocks; Gemma 3's (norms after attention and MLP, "
-                          "(1 + weight) norms, GELU, sliding-window layers) run on the torch path")
-        if parts[0][1] is None:
-            return None, "the native step takes separate q/k/v and gate/up projections; Phi-3's fused ones run on the torch path"
         if native.library() is None:
             return None, f"the native library is not loaded ({native.status()['reason'] or 'turned off'})"
         if dtype != torch.float32 or device.type != "cpu":
@@ -581,32 +598,38 @@ class LlamaDecoder:
         if not native.decode_heads_ok(heads, kv_heads, head_dim):
             return None, (f"the native step takes an even head_dim up to {native.DECODE_MAX_HEAD_DIM} and heads a "
                           f"multiple of kv heads; this model has head_dim {head_dim}, {heads} heads, {kv_heads} kv heads")
-        if not final_norm.weight.is_floating_point() or final_norm.weight.dtype == torch.float64:
+        if _native_norm(final_norm) is None:
             return None, f"the final norm's weight is {final_norm.weight.dtype}"
         layers = []
         names = ("q", "k", "v", "o", "gate", "up", "down")
         for i, (*linears, act, norm1, norm2) in enumerate(parts):
-            if type(act).__name__ not in _SILU:
-                return None, f"layer {i}'s activation is {type(act).__name__}, not SiLU"
-            spec = {}
+            kind = type(act).__name__
+            if kind not in _SILU + _GELU_TANH:
+                return None, f"layer {i}'s activation is {kind}, not SiLU or GELU (tanh)"
+            spec = {"act": "silu" if kind in _SILU else "gelu_tanh"}
             for name, m in zip(names, linears):
+                if m is None:  # Phi-3: in the fused projection's output
+                    spec[name] = None
+                    continue
                 get = getattr(m, "row_kernel", None)
                 rk = get() if callable(get) else None
                 if rk is None:
                     return None, (f"layer {i}'s {name} projection ({type(m).__name__}) has no one-row C kernel "
                                   f"(fewbits-quantized layers with a weight-only 4- or 8-bit, w4a8 or w8a8 kernel have)")
                 spec[name] = rk
-            for key, n in (("norm1", norm1), ("norm2", norm2)):
-                if not n.weight.is_floating_point() or n.weight.dtype == torch.float64:
+            norms = [("norm1", "eps1", norm1), ("norm2", "eps2", norm2)]
+            if qk_norms[i] is not None:
+                norms += [("q_norm", "eps_q", qk_norms[i][0]), ("k_norm", "eps_k", qk_norms[i][1])]
+            if gemma is not None:  # the norms of the attention's and the MLP's outputs
+                norms += [("post1", "eps_p1", gemma["post"][i][0]), ("post2", "eps_p2", gemma["post"][i][1])]
+                if gemma["types"][i] == "sliding_attention":
+                    spec["window"] = int(gemma["window"])
+                spec["rope"] = gemma["types"][i]  # its cos / sin, set once they are computed
+            for key, eps, n in norms:
+                got = _native_norm(n)
+                if got is None:
                     return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
-                spec[key] = n.weight.detach().to(torch.float32)  # exact: what the product promotes it to
-            spec["eps1"], spec["eps2"] = norm1.variance_epsilon, norm2.variance_epsilon
-            pair = qk_norms[i]
-            if pair is not None:
-                for key, eps, n in (("q_norm", "eps_q", pair[0]), ("k_norm", "eps_k", pair[1])):
-                    if not n.weight.is_floating_point() or n.weight.dtype == torch.float64:
-                        return None, f"layer {i}'s {key} weight is {n.weight.dtype}"
-                    spec[key], spec[eps] = n.weight.detach().to(torch.float32), n.variance_epsilon
+                spec[key], spec[eps] = got
             layers.append(spec)
         return layers, None
 

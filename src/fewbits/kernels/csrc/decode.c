@@ -35,7 +35,16 @@ typedef struct {
     float eps1, eps2;
     const float *q_norm, *k_norm; /* [head_dim] RMSNorms of each head of q and k (Qwen3), or NULL */
     float eps_q, eps_k;
+    /* Gemma 3: RMSNorms of the attention's and the MLP's outputs before the residual adds, or NULL */
+    const float *post1, *post2;
+    float eps_p1, eps_p2;
+    int32_t act;                /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
+    int64_t window;             /* > 0: attend over the last `window` positions only (sliding window) */
+    const float *cos, *sin;     /* [capacity, head_dim] this layer's rotary embedding, or NULL: the model's */
 } DecLayer;
+/* Fused projections (Phi-3): k.fn and v.fn NULL, q's kernel writes q, k, v one after the other
+ * (the model's q, k, v scratch laid out so); up.fn NULL, gate's kernel writes gate then up (g, u
+ * so laid out). */
 
 typedef struct {
     int64_t layers, d, heads, kv_heads, head_dim, inter, capacity;
@@ -250,6 +259,17 @@ void fb_decode_silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + fexp(-g[i])) * u[i];
 }
 
+/* g = gelu_tanh(g) * u, gelu_tanh(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as
+ * torch's GELU(approximate="tanh"); 1 + tanh(y) = 2 / (1 + e^(-2y)), so the product is
+ * x / (1 + e^(-2y)) */
+void fb_decode_gelu_tanh_mul(float *g, const float *u, int64_t n) {
+    const float c = 0.7978845608028654f;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], y = c * (x + 0.044715f * x * x * x);
+        g[i] = x / (1.0f + fexp(-2.0f * y)) * u[i];
+    }
+}
+
 static int32_t linear(const Lin *l, const float *x, float *y) {
     const int32_t rc = l->fn(l->args, x, y);
     if (rc == 0 && l->bias)
@@ -275,13 +295,13 @@ int32_t fb_decode_step(DecModel *m, float *h, int64_t pos) {
     const int64_t d = m->d, hd = m->head_dim, H = m->heads, KVH = m->kv_heads, P = m->capacity;
     if (pos < 0 || pos >= P || hd > 512 || hd % 2 || KVH < 1 || H % KVH) return -1;
     m->failed_layer = m->failed_linear = -1;
-    const float *cos = m->cos + pos * hd, *sin = m->sin + pos * hd;
     for (int64_t l = 0; l < m->layers; l++) {
         const DecLayer *L = m->layer + l;
+        const float *cos = (L->cos ? L->cos : m->cos) + pos * hd, *sin = (L->sin ? L->sin : m->sin) + pos * hd;
         fb_decode_rms_norm(h, L->norm1, L->eps1, d, m->x);
         RUN(q, 0, m->x, m->q);
-        RUN(k, 1, m->x, m->k);
-        RUN(v, 2, m->x, m->v);
+        if (L->k.fn) RUN(k, 1, m->x, m->k);
+        if (L->v.fn) RUN(v, 2, m->x, m->v);
         if (L->q_norm) /* each head's RMSNorm before the rotation, as Qwen3's attention */
             for (int64_t i = 0; i < H; i++) fb_decode_rms_norm(m->q + i * hd, L->q_norm, L->eps_q, hd, m->q + i * hd);
         if (L->k_norm)
@@ -293,14 +313,21 @@ int32_t fb_decode_step(DecModel *m, float *h, int64_t pos) {
             memcpy(kc + (g * P + pos) * hd, m->k + g * hd, sizeof(float) * (size_t)hd);
             memcpy(vc + (g * P + pos) * hd, m->v + g * hd, sizeof(float) * (size_t)hd);
         }
-        fb_decode_attend(m->q, kc, vc, H, KVH, P, hd, pos + 1, m->scaling, m->scores, m->att);
+        const int64_t first = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
+        fb_decode_attend(m->q, kc + first * hd, vc + first * hd, H, KVH, P, hd, pos + 1 - first, m->scaling,
+                         m->scores, m->att);
         RUN(o, 3, m->att, m->o);
+        if (L->post1) fb_decode_rms_norm(m->o, L->post1, L->eps_p1, d, m->o);
         for (int64_t i = 0; i < d; i++) h[i] += m->o[i];
         fb_decode_rms_norm(h, L->norm2, L->eps2, d, m->x);
         RUN(gate, 4, m->x, m->g);
-        RUN(up, 5, m->x, m->u);
-        fb_decode_silu_mul(m->g, m->u, m->inter);
+        if (L->up.fn) RUN(up, 5, m->x, m->u);
+        if (L->act == 1)
+            fb_decode_gelu_tanh_mul(m->g, m->u, m->inter);
+        else
+            fb_decode_silu_mul(m->g, m->u, m->inter);
         RUN(down, 6, m->g, m->o);
+        if (L->post2) fb_decode_rms_norm(m->o, L->post2, L->eps_p2, d, m->o);
         for (int64_t i = 0; i < d; i++) h[i] += m->o[i];
     }
     fb_decode_rms_norm(h, m->norm_f, m->eps_f, d, m->x);

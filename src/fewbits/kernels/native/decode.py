@@ -22,6 +22,8 @@ def declare_decode(lib: ctypes.CDLL) -> None:
     lib.fb_decode_attend.restype = None
     lib.fb_decode_silu_mul.argtypes = [p, p, i64]
     lib.fb_decode_silu_mul.restype = None
+    lib.fb_decode_gelu_tanh_mul.argtypes = [p, p, i64]
+    lib.fb_decode_gelu_tanh_mul.restype = None
     lib.fb_decode_exp.argtypes = [p, i64, p]
     lib.fb_decode_exp.restype = None
 
@@ -63,7 +65,10 @@ def decode_heads_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
 class _DecLayer(ctypes.Structure):
     _fields_ = [(n, _DecLin) for n in DECODE_LINEARS] + [
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)]
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float),
+        ("post1", ctypes.c_void_p), ("post2", ctypes.c_void_p), ("eps_p1", ctypes.c_float), ("eps_p2", ctypes.c_float),
+        ("act", ctypes.c_int32), ("window", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+ACTIVATIONS = ("silu", "gelu_tanh")  # decode.c's act codes 0, 1
 
 
 class _DecModel(ctypes.Structure):
@@ -91,6 +96,12 @@ class DecodeStep:
     kv_heads, capacity, head_dim], written at each step's position. cos, sin: float32
     [capacity, head_dim], the rotary embedding of each position. Shapes are checked here, once;
     the tensors are held for the object's life.
+
+    Optional per layer: post1, post2 with eps_p1, eps_p2 (Gemma 3's norms of the attention's and
+    the MLP's outputs), act ("silu", the default, or "gelu_tanh"), window (attend over the last
+    `window` positions; 0 or absent: all), cos / sin (this layer's rotary embedding). Fused
+    projections (Phi-3): k and v None with q a kernel of q, k and v's rows, up None with gate one
+    of gate's and up's -- in every layer or in none.
     """
 
     def __init__(self, lib: ctypes.CDLL, layers: list[dict], norm_f: torch.Tensor, eps_f: float,
@@ -103,10 +114,17 @@ class DecodeStep:
         first = layers[0]
         if not all(isinstance(first.get(n), RowKernel) for n in ("q", "gate")):
             raise ValueError("layer 0 q and gate must be RowKernels")
+        fused_qkv, fused_mlp = first.get("k") is None, first.get("up") is None
+        for i, spec in enumerate(layers):
+            if (spec.get("k") is None, spec.get("v") is None) != (fused_qkv, fused_qkv) \
+                    or (spec.get("up") is None) != fused_mlp:
+                raise ValueError(f"layer {i}: fused projections (k, v or up None) in every layer or in none")
         d = first["q"].in_features
-        inter = first["gate"].out_features
-        want = {"q": (d, heads * head_dim), "k": (d, kv_heads * head_dim), "v": (d, kv_heads * head_dim),
-                "o": (heads * head_dim, d), "gate": (d, inter), "up": (d, inter), "down": (inter, d)}
+        inter = first["gate"].out_features // (2 if fused_mlp else 1)
+        qkv = (heads + 2 * kv_heads) * head_dim if fused_qkv else heads * head_dim
+        want = {"q": (d, qkv), "k": (d, kv_heads * head_dim), "v": (d, kv_heads * head_dim),
+                "o": (heads * head_dim, d), "gate": (d, inter * (2 if fused_mlp else 1)), "up": (d, inter),
+                "down": (inter, d)}
         shape = (len(layers), 1, kv_heads, k_cache.shape[3] if k_cache.dim() == 5 else -1, head_dim)
         capacity = shape[3]
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -124,6 +142,8 @@ class DecodeStep:
             entry = self._layers[i]
             for name in DECODE_LINEARS:
                 rk = spec[name]
+                if rk is None and ((name in ("k", "v") and fused_qkv) or (name == "up" and fused_mlp)):
+                    continue  # in q's / gate's output
                 if not isinstance(rk, RowKernel) or (rk.in_features, rk.out_features) != want[name]:
                     got = (rk.in_features, rk.out_features) if isinstance(rk, RowKernel) else type(rk).__name__
                     raise ValueError(f"layer {i} {name}: a RowKernel of (in, out) = {want[name]} expected, got {got}")
@@ -136,18 +156,41 @@ class DecodeStep:
                 self._keep.append(w)
                 setattr(entry, k, w.data_ptr())
             entry.eps1, entry.eps2 = float(spec["eps1"]), float(spec["eps2"])
-            for k, eps in (("q_norm", "eps_q"), ("k_norm", "eps_k")):  # Qwen3's per-head norms, optional
+            for k, eps, n in (("q_norm", "eps_q", head_dim), ("k_norm", "eps_k", head_dim),  # optional
+                              ("post1", "eps_p1", d), ("post2", "eps_p2", d)):
                 if spec.get(k) is not None:
-                    w = _f32_vector(spec[k], head_dim, f"layer {i} {k}")
+                    w = _f32_vector(spec[k], n, f"layer {i} {k}")
                     self._keep.append(w)
                     setattr(entry, k, w.data_ptr())
                     setattr(entry, eps, float(spec[eps]))
-            self.kernels.append({name: spec[name] for name in DECODE_LINEARS})
+            act = spec.get("act", "silu")
+            if act not in ACTIVATIONS:
+                raise ValueError(f"layer {i}: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
+            entry.act = ACTIVATIONS.index(act)
+            window = spec.get("window") or 0
+            if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+                raise ValueError(f"layer {i}: window must be a non-negative int, got {window!r}")
+            entry.window = window
+            for k in ("cos", "sin"):
+                t = spec.get(k)
+                if t is not None:
+                    if t.dtype != torch.float32 or tuple(t.shape) != (capacity, head_dim) or t.device.type != "cpu":
+                        raise ValueError(f"layer {i} {k} must be CPU float32 [{capacity}, {head_dim}]")
+                    t = t.contiguous()
+                    self._keep.append(t)
+                    setattr(entry, k, t.data_ptr())
+            self.kernels.append({name: spec.get(name) for name in DECODE_LINEARS})
         norm_f = _f32_vector(norm_f, d, "the final norm's weight")
         cos, sin = cos.contiguous(), sin.contiguous()
         sizes = {"x": d, "q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim,
                  "att": heads * head_dim, "g": inter, "u": inter, "o": d, "scores": heads * capacity}
         self._scratch = {n: torch.empty(v, dtype=torch.float32) for n, v in sizes.items()}
+        if fused_qkv:  # q's kernel writes q, k, v one after the other
+            qkv_buf = torch.empty(qkv, dtype=torch.float32)
+            self._scratch["q"], self._scratch["k"], self._scratch["v"] = qkv_buf.split(
+                [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+        if fused_mlp:  # gate's kernel writes gate, then up
+            self._scratch["g"], self._scratch["u"] = torch.empty(2 * inter, dtype=torch.float32).split([inter, inter])
         self._keep += [norm_f, cos, sin]
         self._model = _DecModel(len(layers), d, heads, kv_heads, head_dim, inter, capacity,
                                 ctypes.addressof(self._layers), k_cache.data_ptr(), v_cache.data_ptr(),
