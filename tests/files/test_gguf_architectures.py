@@ -126,6 +126,13 @@ def test_configs_llama_cpp_would_compute_otherwise_are_refused_or_warned(tmp_pat
         model = _model(kind, sliding_window=64)
         with pytest.warns(UserWarning, match="sliding_window 64"):
             write_gguf(tmp_path / f"{kind}.gguf", _tensors(model, None), model.config, overwrite=True)
+    # llama.cpp's Phi-3 fix-ups look up Phi-3's own tokens when the name says phi3: a vocabulary
+    # without them would not load there, so the name is left out
+    model = _model("phi3")
+    model.config._name_or_path = "/models/tiny-phi3-instruct"
+    with pytest.warns(UserWarning, match="general.name 'tiny-phi3-instruct' left out"):
+        write_gguf(tmp_path / "n.gguf", _tensors(model, None), model.config, bpe_tokenizer())
+    assert "general.name" not in fields(tmp_path / "n.gguf")[1]
     model = _model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
         write_gguf(tmp_path / "p.gguf", _tensors(model, None), model.config)

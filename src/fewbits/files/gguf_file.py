@@ -895,13 +895,37 @@ def _file_type(file_type, entries: list[_Entry]) -> int:
     return int(gguf.LlamaFileType[_FILE_TYPES[key]])
 
 
-def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type) -> None:
+# llama.cpp sets attributes of these tokens by name when general.name holds "phi3" or "phi-3", and
+# fails to load a vocabulary without them
+_PHI3_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def _model_name(cfg: dict, vocab: _Vocab) -> str | None:
+    """general.name: the model directory's name; left out (with a warning) where llama.cpp's
+    Phi-3 fix-ups, keyed on the name, would look for tokens this vocabulary does not have."""
+    name = cfg.get("_name_or_path") or cfg.get("name_or_path")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    name = os.path.basename(name.rstrip("/\\")) or name
+    if vocab.model == "none" or not any(k in name.lower() for k in ("phi3", "phi-3")):
+        return name
+    listed = vocab.copied.get("tokenizer.ggml.tokens") if vocab.copied is not None else None
+    tokens = set(vocab.tokens) if vocab.copied is None else set(listed.value) if listed is not None else set()
+    if not set(_PHI3_TOKENS) <= tokens:
+        warnings.warn(f"general.name {name!r} left out: llama.cpp would look for Phi-3's tokens "
+                      f"({', '.join(_PHI3_TOKENS)}) in a vocabulary without them and fail to load it",
+                      UserWarning, stacklevel=4)
+        return None
+    return name
+
+
+def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type, vocab: _Vocab) -> None:
     gguf = _gguf()
     d = _dims(cfg, arch)
     w.add_type(gguf.GGUFType.MODEL)
-    name = cfg.get("_name_or_path") or cfg.get("name_or_path")
-    if isinstance(name, str) and name.strip():
-        w.add_name(os.path.basename(name.rstrip("/\\")) or name)
+    name = _model_name(cfg, vocab)
+    if name is not None:
+        w.add_name(name)
     w.add_vocab_size(d["vocab_size"])
     w.add_context_length(d["max_position_embeddings"])
     w.add_embedding_length(d["hidden_size"])
@@ -1106,7 +1130,7 @@ def _write(gguf, path, tensors, cfg, arch, vocab, entries, file_type, report) ->
     with replacing(path) as tmp:
         w = gguf.GGUFWriter(tmp, ARCHITECTURES[arch])
         try:
-            _add_metadata(w, cfg, arch, entries, file_type)
+            _add_metadata(w, cfg, arch, entries, file_type, vocab)
             _add_vocab(w, vocab, cfg)
             for e in entries:
                 _add_tensor_info(w, e)
