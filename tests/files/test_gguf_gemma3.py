@@ -193,18 +193,24 @@ def test_quantized_embedding_keeps_gemmas_scale_through_every_path(tmp_path):
         assert float((model(_ids()).logits - want).abs().max()) <= 2e-2 * float(want.abs().max())
 
 
-def test_fewbits_quantize_streams_a_gemma3_directory_into_gguf(tmp_path):
-    """`fewbits quantize DIR --scheme q4_k_m --format gguf` on a Gemma 3 directory (no tokenizer: the
-    file gets no vocabulary): transformers and fewbits read it with the same logits."""
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_fewbits_quantize_streams_a_gemma3_directory_into_gguf(tmp_path, method):
+    """`fewbits quantize DIR --scheme q4_k_m --format gguf` on a Gemma 3 directory (a byte-level BPE
+    tokenizer beside it; GPTQ calibrated block by block): transformers and fewbits read it with
+    the same logits."""
+    from tiny_tokenizer import save_byte_level_bpe
+
     from fewbits.cli import main
 
     model = _model()
     src = tmp_path / "src"
     model.save_pretrained(src)
+    save_byte_level_bpe(src)
     out = tmp_path / "m.gguf"
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["quantize", str(src), "--scheme", "q4_k_m", "--format", "gguf", "--out", str(out), "--quiet"])
+        rc = main(["quantize", str(src), "--scheme", "q4_k_m", "--format", "gguf", "--out", str(out), "--quiet",
+                   "--method", method])
     assert rc == 0, err.getvalue()
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
     assert types["blk.0.attn_q.weight"] == "Q4_K" and types["token_embd.weight"] == "Q6_K"
