@@ -147,6 +147,59 @@ def test_recipe_gives_gemma3_llama_cpps_mix():
     assert types["model.layers.0.mlp.down_proj"] == "Q6_K" and types["model.layers.0.self_attn.v_proj"] == "Q8_0"
 
 
+def test_a_gguf_vocabulary_is_copied_once_checked(tmp_path):
+    """write_gguf(tokenizer="x.gguf") copies x's tokenizer.* keys as they are, after the reader's
+    vocabulary checks (a special id outside the vocabulary, more tokens than the model's rows,
+    arrays of the wrong type or length: refused before anything is written)."""
+    from gguf_craft import rewrite
+    from test_gguf_file import bpe_tokenizer
+
+    from fewbits.files import FileFormatError
+
+    model = _model()
+    src = tmp_path / "src.gguf"
+    write_gguf(src, _tensors(model, "q8_0"), model.config, bpe_tokenizer())
+    out = tmp_path / "out.gguf"
+    write_gguf(out, _tensors(model, "q4_0"), model.config, str(src))
+    a, b = fields(src)[1], fields(out)[1]
+    assert {k: v for k, v in a.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in b.items() if k.startswith("tokenizer.")}
+    n = len(a["tokenizer.ggml.tokens"])
+    for name, edits, message in (
+            ("id.gguf", {"set": {"tokenizer.ggml.eos_token_id": ("u32", n + 5)}}, "eos_token_id .* outside the vocabulary"),
+            ("types.gguf", {"set": {"tokenizer.ggml.token_type": ("array[i32]", [1] * (n - 1))}},
+             "token_type has .* entries for"),
+            ("scores.gguf", {"set": {"tokenizer.ggml.scores": ("array[string]", ["x"] * n)}}, "scores must be"),
+            ("none.gguf", {"drop": ("tokenizer.ggml.model",)}, "no vocabulary to copy")):
+        bad = tmp_path / name
+        rewrite(src, bad, **edits)
+        with pytest.raises((FileFormatError, ValueError), match=message):
+            write_gguf(tmp_path / "x.gguf", _tensors(model, None), model.config, str(bad))
+        assert not (tmp_path / "x.gguf").exists()
+    small = _model(vocab_size=200)
+    with pytest.raises(ValueError, match=f"the vocabulary has {n} tokens, more than the 200"):
+        write_gguf(tmp_path / "x.gguf", _tensors(small, None), small.config, str(src))
+
+
+def test_gemma_config_json_dicts_and_quantized_norms(tmp_path):
+    """A Gemma 3 config.json as saved before per-kind RoPE (rope_theta, rope_local_base_freq)
+    gives the same metadata as its config object; a quantized norm is refused (GGUF stores
+    1 + weight)."""
+    model = _model()
+    legacy = {k: v for k, v in model.config.to_dict().items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6)
+    write_gguf(tmp_path / "a.gguf", _tensors(model, None), legacy)
+    write_gguf(tmp_path / "b.gguf", _tensors(model, None), model.config)
+    a, b = fields(tmp_path / "a.gguf")[1], fields(tmp_path / "b.gguf")[1]
+    for key in ("gemma3.rope.freq_base", "gemma3.rope.freq_base_swa", "gemma3.attention.sliding_window_pattern"):
+        assert a[key] == b[key], key
+    tensors = _tensors(model, None)
+    tensors["model.layers.0.input_layernorm.weight"] = fb.quantize(tensors["model.layers.0.input_layernorm.weight"]
+                                                                   .reshape(1, -1), "q8_0")
+    with pytest.raises(ValueError, match="a quantized norm"):
+        write_gguf(tmp_path / "c.gguf", tensors, model.config)
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ({"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
@@ -239,6 +292,10 @@ def test_crafted_gemma3_files_are_refused_before_any_model_is_built(tmp_path):
                            "sliding_window_pattern must be an integer or 7 bools"),
         "negative window": (crafted("w.gguf", set={"gemma3.attention.sliding_window": ("i32", -4)}),
                             "sliding_window must be at least 0"),
+        "negative pattern": (crafted("q.gguf", set={"gemma3.attention.sliding_window_pattern": ("i32", -6)}),
+                             "sliding_window_pattern must be at least 0"),
+        "string pattern": (crafted("s.gguf", set={"gemma3.attention.sliding_window_pattern": ("string", "6")}),
+                           "sliding_window_pattern must be an integer or 7 bools"),
         "swa base": (crafted("b.gguf", set={"gemma3.rope.freq_base_swa": ("f32", float("nan"))}),
                      "freq_base_swa must be a finite number"),
         "unknown key": (crafted("k.gguf", set={"gemma3.attention.logit_softcapping": ("f32", 50.0)}),

@@ -1,8 +1,9 @@
 """decode.c, the one-call decode step (native.DecodeStep), piece by piece against the
 obviously-correct arithmetic: the rotary embedding bit for bit against the torch ops it stands
-for; the RMSNorm, one-query attention and SiLU and GELU (tanh) gates against float64 within the float32 error
-of their own steps; DecodeStep's checks of its arguments. The whole step against the torch
-decode path is tested in tests/models/test_decoder.py."""
+for; the RMSNorm, one-query attention and SiLU and GELU (tanh) gates against float64 within the
+float32 error of their own steps; DecodeStep's checks of its arguments (Gemma 3's and Phi-3's
+options too). The whole step against the torch decode path is tested in
+tests/models/test_decoder.py."""
 from __future__ import annotations
 
 import math
@@ -166,6 +167,14 @@ def test_decode_step_with_zero_weights():
     (lambda a: a.update(v_cache=torch.zeros(2, 1, 1, 16, 32)[:, :, :, ::2]), "v_cache"),
     (lambda a: a.update(sin=torch.zeros(7, 32)), "sin"),
     (lambda a: a.update(layers=[]), "at least one layer"),
+    # the Gemma 3 / Phi-3 options
+    (lambda a: a["layers"][1].update(k=None, v=None), "fused projections .* in every layer or in none"),
+    (lambda a: a["layers"][0].update(act="gelu"), "act must be one of silu, gelu_tanh"),
+    (lambda a: a["layers"][0].update(window=-1), "window must be a non-negative int"),
+    (lambda a: a["layers"][0].update(window=True), "window must be a non-negative int"),
+    (lambda a: a["layers"][0].update(window=2 ** 63), "window must be a non-negative int"),
+    (lambda a: a["layers"][0].update(cos=torch.ones(7, 32)), "layer 0 cos"),
+    (lambda a: a["layers"][1].update(post1=torch.ones(63), eps_p1=1e-6), "layer 1 post1"),
 ])
 def test_decode_step_refuses_bad_arguments(change, match):
     args = _step_args()

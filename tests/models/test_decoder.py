@@ -191,6 +191,14 @@ def test_gemma3_quantized_bit_for_bit_and_natively(scheme, prompt):
     _check_native(model, _ids(prompt), new=10)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         LlamaDecoder(_gemma3(attn_logit_softcapping=50.0))
+    windowless = _gemma3()
+    windowless.config.sliding_window = None
+    with pytest.raises(ValueError, match="sliding_window of at least 1"):
+        LlamaDecoder(windowless)
+    partial = _model("phi3", pad_token_id=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor is 0.5"):
+        LlamaDecoder(partial)
 
 
 def test_smollm2_int4_bit_for_bit(smollm2_int4):

@@ -153,6 +153,7 @@ def _quant_list(args, out) -> int:
 def _quant_source(model: str, tmp: str) -> str:
     """The Hugging Face directory to convert: a built-in model's, the given directory, or a GGUF
     file converted (dequantized by transformers) into `tmp`."""
+    from ..files.gguf_file import is_gguf_file
     from ..models import minilm_path, smollm2_directory
 
     if model == "minilm":
@@ -161,7 +162,7 @@ def _quant_source(model: str, tmp: str) -> str:
         return str(smollm2_directory())
     if os.path.isdir(model):
         return model
-    if os.path.isfile(model) and model.lower().endswith(".gguf"):
+    if is_gguf_file(model):
         from ..files.gguf_reader import gguf_to_float_pretrained
         return gguf_to_float_pretrained(model, tmp)  # checked first; its RoPE scaling kept
     raise ValueError(f"unknown model {model!r}: use minilm, smollm2, a Hugging Face model directory or a GGUF file")
@@ -183,6 +184,7 @@ def _quant_convert(args, out, say) -> int:
     OUT's name, the scheme (resolved to its canonical name, once, here) against the format, the
     options, the model's existence, the output path."""
     from ..files.conversion import convert, float_matrices, output_format, scratch_directory
+    from ..files.gguf_file import is_gguf_file
     from ..files.streaming import tokenizer_files
     from ..study import quantization as sq
 
@@ -218,8 +220,7 @@ def _quant_convert(args, out, say) -> int:
         source = _quant_source(args.model, os.path.join(tmp, "model"))
         # a GGUF source's own vocabulary, as it is (the tokenizer transformers builds from it is
         # not always one the GGUF writer can spell back: Gemma's SentencePiece)
-        vocabulary = args.model if fmt == "gguf" and os.path.isfile(args.model) and args.model.lower().endswith(".gguf") \
-            else None
+        vocabulary = args.model if fmt == "gguf" and is_gguf_file(args.model) else None
         if fmt == "gguf" and vocabulary is None and tokenizer_files(source) is None:
             print(f"fewbits quantize: warning: {source} has no tokenizer files: the GGUF gets no vocabulary, so "
                   "llama.cpp can load it but not turn text into tokens", file=sys.stderr)

@@ -3,7 +3,7 @@
 write_gguf(path, tensors, config, tokenizer) writes a model given as a tensor mapping (Hugging Face
 parameter names -> float torch.Tensor or QuantizedTensor, possibly lazy) with the `gguf` package's
 GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys llama.cpp reads
-(`gguf.Keys`) and the tokenizer as `tokenizer.ggml.*` metadata. Two architectures:
+(`gguf.Keys`) and the tokenizer as `tokenizer.ggml.*` metadata. The architectures:
 
 - LlamaForCausalLM (SmolLM2, Llama-family configs), GGUF arch "llama". Written keys:
   general.architecture, general.type, general.name (when the config names the model),
@@ -18,6 +18,17 @@ GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys ll
   permutes them back. Tied
   embeddings: token_embd.weight serves as the output too, and no output.weight is written
   (an lm_head.weight in the mapping is skipped).
+- The other decoders, under their own GGUF arch, with llama's keys and these differences:
+  MistralForCausalLM as "llama"; Qwen2ForCausalLM "qwen2" (q/k/v biases), Qwen3ForCausalLM
+  "qwen3" (attn_q_norm / attn_k_norm), both with rows as transformers holds them; Phi3ForCausalLM
+  "phi3" (attn_qkv, and ffn_up of gate and up's rows; a sliding window warns: llama.cpp turns it
+  off); Gemma3ForCausalLM "gemma3" (attn_q_norm / attn_k_norm, post_attention_norm,
+  post_ffw_norm; every norm written as 1 + weight in float32, the factor Gemma multiplies by;
+  key_length / value_length always; attention.sliding_window, attention.sliding_window_pattern
+  (n when every n-th layer is full, else one bool per layer) and rope.freq_base_swa where some
+  layer slides; final_logit_softcapping where set). The llama.cpp these files are checked with
+  (llama-cpp-python 0.3.36's) reads all of these keys; older builds took Gemma 3's pattern as 6
+  and its sliding RoPE base as 10000, Gemma's own values.
 - BertModel (all-MiniLM-L6-v2), GGUF arch "bert": token_embd, token_types, position_embd,
   token_embd_norm, per block attn_q/k/v, attn_output, attn_output_norm, ffn_up, ffn_down,
   layer_output_norm, every one with its bias. Keys: general.*, bert.vocab_size,
@@ -28,12 +39,15 @@ GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys ll
 
 Tokenizer (`tokenizer=`: a transformers fast tokenizer, or a directory with tokenizer files):
 tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, token_type, merges, tokenizer.ggml.pre) for
-llama and "bert" (WordPiece: the vocabulary in llama.cpp's "phantom space" spelling, "##x" -> "x",
+the decoders and "bert" (WordPiece: the vocabulary in llama.cpp's "phantom space" spelling, "##x" -> "x",
 other non-control tokens "\u2581x"; token_type_count) for BERT; the special token ids, the
 add_bos/add_eos/add_sep flags and the chat template come from `gguf.SpecialVocab` (the rules of
 llama.cpp's converter), add_bos/add_eos not set by those from what the tokenizer does (whether it
-puts the bos/eos token around "a"). Without a tokenizer, tokenizer.ggml.model is "none"
-(llama.cpp's vocabulary-less model: it loads, but cannot turn text into tokens).
+puts the bos/eos token around "a"). Or a GGUF file: its tokenizer.* keys are written as they are,
+once checked as the reader checks a vocabulary (a model read from a GGUF keeps its own, Gemma's
+SentencePiece one included). Without a tokenizer, tokenizer.ggml.model is "none" (llama.cpp's
+vocabulary-less model: it loads, but cannot turn text into tokens), with the config's bos / eos /
+pad ids, from which transformers' GGUF loader builds its config.
 
 Tensor types: a QuantizedTensor in a GGUF block scheme (fewbits.files.gguf_blocks: q8_0, q4_0, q4_1,
 q5_0, q5_1 and the k-quants) is written as those blocks, bit for bit; float tensors as F32 when
@@ -518,7 +532,10 @@ def _plan(tensors: Mapping, cfg: dict, arch: str) -> list[_Entry]:
         if heads is not None and shape[0] % (2 * heads):
             problems.append(f"{name}: {shape[0]} rows do not split into {heads} heads of rotary pairs")
             continue
-        shift = norm_shifted(ARCHITECTURES[arch], gname) and not quantized
+        shift = norm_shifted(ARCHITECTURES[arch], gname)
+        if shift and quantized:
+            problems.append(f"{name}: a quantized norm; GGUF stores Gemma's norms as 1 + weight in F32")
+            continue
         if shift and ggml != "F32":
             ggml, nbytes = "F32", math.prod(shape) * 4
         entries.append(_Entry(name, gname, shape, ggml, quantized, nbytes, heads, shift))
@@ -695,29 +712,26 @@ def _looks_control(token: str) -> bool:
     return token.startswith("<|") and token.endswith("|>")
 
 
-def _is_gguf_file(tokenizer) -> bool:
-    return isinstance(tokenizer, (str, os.PathLike)) and os.fspath(tokenizer).lower().endswith(".gguf") \
-        and os.path.isfile(tokenizer)
+def is_gguf_file(path) -> bool:
+    """Whether `path` names a GGUF file (a file whose name ends in .gguf)."""
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).lower().endswith(".gguf") and os.path.isfile(path)
 
 
 def _gguf_vocabulary(path, cfg: dict) -> _Vocab:
     """The vocabulary of the GGUF file at `path`: its tokenizer.* keys, to be written as they are
-    (a SentencePiece vocabulary, Gemma's, included); the header read with fewbits' bounded
-    reader, the keys llama.cpp needs checked."""
-    from .gguf_header import read_header
+    (a SentencePiece vocabulary, Gemma's, included), once the file's header (fewbits' bounded
+    reader) and its vocabulary (gguf_header.check_vocabulary, as the GGUF reader checks it, against
+    this model's vocab_size) have passed the checks."""
+    from .gguf_header import check_vocabulary, read_header
 
     header = read_header(path)
     keys = {k: v for k, v in header.metadata.items() if k.startswith("tokenizer.")}
     model = keys.get("tokenizer.ggml.model")
     if model is None or model.type != "string":
         raise ValueError(f"{path} has no vocabulary to copy (tokenizer.ggml.model is missing or not a string)")
-    tokens = keys.get("tokenizer.ggml.tokens")
-    if model.value != "none":
-        if tokens is None or tokens.type != "array[string]":
-            raise ValueError(f"{path}: tokenizer.ggml.tokens is missing or not an array of strings")
-        if len(tokens.value) > _need(cfg, "vocab_size"):
-            raise ValueError(f"{path}'s vocabulary has {len(tokens.value)} tokens, more than the model's vocab_size "
-                             f"{cfg['vocab_size']}")
+    if model.value != "none" and (keys.get("tokenizer.ggml.tokens") is None):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens is missing")
+    check_vocabulary(header, _need(cfg, "vocab_size"))
     return _Vocab(model=model.value, copied=keys)
 
 
@@ -725,7 +739,7 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
     gguf = _gguf()
     if tokenizer is None:
         return _Vocab(model="none")
-    if _is_gguf_file(tokenizer):
+    if is_gguf_file(tokenizer):
         return _gguf_vocabulary(os.fspath(tokenizer), cfg)
     tok = _load_tokenizer(tokenizer)
     backend = json.loads(tok.backend_tokenizer.to_str())
@@ -845,6 +859,10 @@ def _rope(cfg: dict, layer_type: str | None = None) -> tuple[float, float | None
         rope = rope[layer_type]
         if rope.get("rope_theta") is not None:
             cfg = {k: v for k, v in cfg.items() if k != "rope_theta"}  # the kind's own theta
+    elif layer_type == "sliding_attention":  # a config.json of Gemma 3 as saved before per-kind RoPE
+        return float(cfg.get("rope_local_base_freq", 10000.0)), None
+    elif layer_type == "full_attention" and cfg.get("rope_theta") is None:
+        cfg = {**cfg, "rope_theta": 1_000_000.0}  # Gemma 3's default for its full layers
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, Mapping) else None
     factor = None
     if rope_type == "linear":
@@ -963,6 +981,8 @@ def gemma3_layer_types(cfg: dict) -> list[str]:
     types = cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern must be a positive int, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if not isinstance(types, (list, tuple)) or len(types) != n \
             or any(t not in ("sliding_attention", "full_attention") for t in types):
@@ -970,12 +990,11 @@ def gemma3_layer_types(cfg: dict) -> list[str]:
     return list(types)
 
 
-def gemma3_attention_scalar(cfg: dict, d: dict) -> int | float:
+def gemma3_attention_scalar(cfg: dict, d: dict) -> int:
     """The query_pre_attn_scalar llama.cpp's gemma3 computes with: the head size, but
     hidden_size / heads for the 62-layer (27B) model, as Google's reference does."""
-    if d["num_hidden_layers"] == 62:
-        q, r = divmod(d["hidden_size"], d["num_attention_heads"])
-        return q if r == 0 else d["hidden_size"] / d["num_attention_heads"]
+    if d["num_hidden_layers"] == 62:  # llama.cpp: float(n_embd / n_head), an integer division
+        return d["hidden_size"] // d["num_attention_heads"]
     return int(d["head_dim"])
 
 
@@ -1089,8 +1108,8 @@ def write_gguf(path, tensors: Mapping, config, tokenizer=None, *, overwrite: boo
 
     tensors: {Hugging Face parameter name: float torch.Tensor or QuantizedTensor}, read twice (once
         for names, shapes and types, once for the data, one tensor at a time); may be lazy.
-    config: the model's transformers PretrainedConfig or its config.json dict (LlamaForCausalLM
-        or BertModel).
+    config: the model's transformers PretrainedConfig or its config.json dict (one of
+        ARCHITECTURES).
     tokenizer: a transformers fast tokenizer or a directory with its files (a byte-level BPE
         for the decoders, WordPiece for BERT); or a GGUF file, whose tokenizer.* keys are written
         as they are (any vocabulary llama.cpp has: a model read from a GGUF keeps its own); None

@@ -32,7 +32,7 @@ import numpy as np
 
 from .safetensors_format import FileFormatError
 
-__all__ = ["GGUFHeader", "GGUFTensorInfo", "GGUFValue", "read_header"]
+__all__ = ["GGUFHeader", "GGUFTensorInfo", "GGUFValue", "read_header", "Keys", "check_vocabulary", "shown"]
 
 _MAX_DIMS = 4
 _MAX_NAME = 64  # GGML_MAX_NAME: a tensor name is shorter
@@ -237,3 +237,96 @@ def _parse(path: str, buf, size: int) -> GGUFHeader:
         running = offset + -(-nbytes // alignment) * alignment
     return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors, alignment=alignment,
                       data_offset=data_offset, file_size=size)
+
+
+# ---------------------------------------------------------------------------------------------
+# typed access to the keys, and the vocabulary's checks (the reader's and the GGUF writer's copy)
+# ---------------------------------------------------------------------------------------------
+TOKEN_ARRAYS = {"tokenizer.ggml.tokens": "array[string]", "tokenizer.ggml.token_type": "array[i32]",
+                 "tokenizer.ggml.scores": "array[f32]", "tokenizer.ggml.merges": "array[string]"}
+SPECIAL_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "unknown": "unk_token_id", "padding": "pad_token_id"}
+
+
+class Keys:
+    """Typed access to a header's llama.* keys; every problem a FileFormatError naming the file."""
+
+    def __init__(self, header: GGUFHeader, prefix: str):
+        self.h, self.prefix = header, prefix
+
+    def fail(self, problem: str):
+        raise FileFormatError(self.h.path, problem)
+
+    def _value(self, key: str, types: tuple[str, ...], kind: str, required: bool):
+        """(full key, the value or None where absent and not required), of one of `types`."""
+        full = self.prefix + key
+        v = self.h.metadata.get(full)
+        if v is None:
+            if required:
+                self.fail(f"{full} is missing")
+            return full, None
+        if v.type not in types:
+            self.fail(f"{full} must be {kind}, got {v.type} {shown(v.value)}")
+        return full, v.value
+
+    def int(self, key: str, default=None, minimum: int = 1):
+        full, v = self._value(key, INTEGER_TYPES, "an integer", default is None)
+        if v is None:
+            return default
+        if v < minimum:
+            self.fail(f"{full} must be at least {minimum}, got {v}")
+        return int(v)
+
+    def float(self, key: str, default=None, zero_ok: bool = False):
+        full, v = self._value(key, FLOAT_TYPES, "a float", default is None)
+        if v is None:
+            return default
+        x = float(v)
+        if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
+            self.fail(f"{full} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {x}")
+        return x
+
+    def string(self, key: str, default=None):
+        _, v = self._value(key, ("string",), "a string", False)
+        return default if v is None else v
+
+
+def shown(value) -> str:
+    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_vocabulary(header: GGUFHeader, rows: int) -> dict:
+    """The file's special token ids {config field: id} (bos_token_id, ...) once its vocabulary
+    (tokenizer.ggml.*) has passed the checks llama.cpp's loader relies on: the arrays of the types
+    llama.cpp writes, as long as the token list, no more tokens than `rows` (the embedding's), and
+    every special id inside the vocabulary; a FileFormatError otherwise."""
+    def fail(problem):
+        raise FileFormatError(header.path, problem)
+
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is not None and model.type != "string":
+        fail(f"tokenizer.ggml.model must be a string, got {model.type}")
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    n = None
+    for key, kind in TOKEN_ARRAYS.items():
+        v = header.metadata.get(key)
+        if v is None:
+            continue
+        if v.type != kind:
+            fail(f"{key} must be an {kind}, got {v.type}")
+        if key != "tokenizer.ggml.merges" and tokens is not None and len(v.value) != len(tokens.value):
+            fail(f"{key} has {len(v.value)} entries for {len(tokens.value)} tokens")
+    if tokens is not None:
+        n = len(tokens.value)
+        if n > rows:
+            fail(f"the vocabulary has {n} tokens, more than the {rows} rows of token_embd.weight")
+    k = Keys(header, "tokenizer.ggml.")
+    ids = {}
+    for name, field in SPECIAL_IDS.items():
+        tid = k.int(f"{name}_token_id", -1, minimum=0)
+        if tid < 0:
+            continue
+        if tid >= (n if n is not None else rows):
+            fail(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n if n is not None else rows}")
+        ids[field] = tid
+    return ids

@@ -1,4 +1,4 @@
-"""Reading a llama GGUF file (fewbits' own, or llama.cpp's) as a quantized fewbits model, without
+"""Reading a GGUF decoder file (fewbits' own, or llama.cpp's) as a quantized fewbits model, without
 ever building its float weights: `fb.from_pretrained("model.gguf")`.
 
 read_gguf(path) gives the transformers config and a tensor mapping in Hugging Face names: every
@@ -24,9 +24,16 @@ llama_config() checks every llama key that changes the numbers, as llama.cpp rea
   default when the key is absent) with `rope.scaling.factor` (or the older `rope.scale_linear`)
   becomes transformers' linear rope_scaling; "none" turns scaling off; other types (yarn,
   longrope) are refused;
-- any other `llama.*` key is refused unless it is one known not to change this model's numbers
-  (expert counts of 0, the original context length of linear scaling, ...): a key fewbits does
-  not apply is never silently ignored;
+- the architectures are llama, qwen2, qwen3, phi3 and gemma3 (their keys under their own prefix).
+  phi3: attn_qkv's rows (heads + 2 kv heads) x the head size, ffn_up's 2 x feed_forward_length;
+  its attention.sliding_window is read and left off, as llama.cpp turns it off. gemma3:
+  attention.sliding_window (0: none), attention.sliding_window_pattern (n: every n-th layer full,
+  0 all sliding, 6 where absent; or one bool per layer), rope.freq_base_swa (10000 where absent),
+  final_logit_softcapping; its norms are read as the stored value - 1 (Gemma multiplies by
+  1 + weight) and its queries scaled as llama.cpp scales them;
+- any other key under the architecture's prefix is refused unless it is one known not to change
+  this model's numbers (expert counts of 0, the original context length of linear scaling, ...):
+  a key fewbits does not apply is never silently ignored;
 - the vocabulary (tokenizer.ggml.*) must be arrays of the types llama.cpp writes, no longer than
   the embedding, and its special token ids inside it;
 - every float tensor and every block scale must be finite.
@@ -42,7 +49,6 @@ the same config, its RoPE scaling included, which transformers' own GGUF loader 
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -50,9 +56,9 @@ import torch
 
 from ..quant.tensor import QuantizedTensor, stored_problem
 from .gguf_blocks import GGUF_BLOCK_TYPES, decode_blocks
-from .gguf_file import (CONFIG_CLASSES, READ_CLASSES, gemma3_attention_scalar, norm_shifted, rotary_permutation,
-                        rows_permuted)
-from .gguf_header import FLOAT_TYPES, INTEGER_TYPES, GGUFHeader, read_header
+from .gguf_file import (ARCHITECTURES, CONFIG_CLASSES, READ_CLASSES, gemma3_attention_scalar, norm_shifted,
+                        rotary_permutation, rows_permuted)
+from .gguf_header import INTEGER_TYPES, GGUFHeader, Keys, check_vocabulary, read_header, shown
 from .safetensors_format import FileFormatError
 
 __all__ = ["read_gguf", "gguf_to_pretrained", "gguf_to_float_pretrained", "llama_config", "check_gguf"]
@@ -71,57 +77,7 @@ _READ_ALSO = {"gemma3": {"attention.sliding_window", "attention.sliding_window_p
 _NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
             "expert_count": 0, "expert_used_count": 0, "attention.layer_norm_epsilon": None,
             "tensor_data_layout": None}  # early converters' "Meta AI original pth": llama.cpp never reads it
-_TOKEN_ARRAYS = {"tokenizer.ggml.tokens": "array[string]", "tokenizer.ggml.token_type": "array[i32]",
-                 "tokenizer.ggml.scores": "array[f32]", "tokenizer.ggml.merges": "array[string]"}
-_SPECIAL_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "unknown": "unk_token_id", "padding": "pad_token_id"}
 
-
-class _Keys:
-    """Typed access to a header's llama.* keys; every problem a FileFormatError naming the file."""
-
-    def __init__(self, header: GGUFHeader, prefix: str):
-        self.h, self.prefix = header, prefix
-
-    def fail(self, problem: str):
-        raise FileFormatError(self.h.path, problem)
-
-    def _value(self, key: str, types: tuple[str, ...], kind: str, required: bool):
-        """(full key, the value or None where absent and not required), of one of `types`."""
-        full = self.prefix + key
-        v = self.h.metadata.get(full)
-        if v is None:
-            if required:
-                self.fail(f"{full} is missing")
-            return full, None
-        if v.type not in types:
-            self.fail(f"{full} must be {kind}, got {v.type} {_shown(v.value)}")
-        return full, v.value
-
-    def int(self, key: str, default=None, minimum: int = 1):
-        full, v = self._value(key, INTEGER_TYPES, "an integer", default is None)
-        if v is None:
-            return default
-        if v < minimum:
-            self.fail(f"{full} must be at least {minimum}, got {v}")
-        return int(v)
-
-    def float(self, key: str, default=None, zero_ok: bool = False):
-        full, v = self._value(key, FLOAT_TYPES, "a float", default is None)
-        if v is None:
-            return default
-        x = float(v)
-        if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
-            self.fail(f"{full} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {x}")
-        return x
-
-    def string(self, key: str, default=None):
-        _, v = self._value(key, ("string",), "a string", False)
-        return default if v is None else v
-
-
-def _shown(value) -> str:
-    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _blocks_present(header: GGUFHeader) -> set[int]:
@@ -133,7 +89,7 @@ def _blocks_present(header: GGUFHeader) -> set[int]:
     return present
 
 
-def _rope_scaling(k: _Keys) -> dict | None:
+def _rope_scaling(k: Keys) -> dict | None:
     """transformers' rope_scaling for the file's RoPE scaling, as llama.cpp applies it."""
     kind = k.string("rope.scaling.type", "linear")  # llama.cpp's default when the key is absent
     factor = k.float("rope.scaling.factor", 0.0, zero_ok=True)
@@ -147,7 +103,7 @@ def _rope_scaling(k: _Keys) -> dict | None:
     return {"rope_type": "linear", "factor": factor}
 
 
-def _check_other_keys(k: _Keys) -> None:
+def _check_other_keys(k: Keys) -> None:
     for full, v in k.h.metadata.items():
         if not full.startswith(k.prefix):
             continue
@@ -158,41 +114,10 @@ def _check_other_keys(k: _Keys) -> None:
             k.fail(f"{full} is not a key fewbits applies (it reads {', '.join(sorted(_READ))}); "
                    "refusing rather than ignoring it")
         if _NEUTRAL[key] is not None and (v.type not in INTEGER_TYPES or v.value != _NEUTRAL[key]):
-            k.fail(f"{full} = {_shown(v.value)}: fewbits runs dense models only ({key} {_NEUTRAL[key]})")
+            k.fail(f"{full} = {shown(v.value)}: fewbits runs dense models only ({key} {_NEUTRAL[key]})")
 
 
-def _check_vocabulary(header: GGUFHeader, rows: int, cfg: dict) -> None:
-    def fail(problem):
-        raise FileFormatError(header.path, problem)
-
-    model = header.metadata.get("tokenizer.ggml.model")
-    if model is not None and model.type != "string":
-        fail(f"tokenizer.ggml.model must be a string, got {model.type}")
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    n = None
-    for key, kind in _TOKEN_ARRAYS.items():
-        v = header.metadata.get(key)
-        if v is None:
-            continue
-        if v.type != kind:
-            fail(f"{key} must be an {kind}, got {v.type}")
-        if key != "tokenizer.ggml.merges" and tokens is not None and len(v.value) != len(tokens.value):
-            fail(f"{key} has {len(v.value)} entries for {len(tokens.value)} tokens")
-    if tokens is not None:
-        n = len(tokens.value)
-        if n > rows:
-            fail(f"the vocabulary has {n} tokens, more than the {rows} rows of token_embd.weight")
-    k = _Keys(header, "tokenizer.ggml.")
-    for name, field in _SPECIAL_IDS.items():
-        tid = k.int(f"{name}_token_id", -1, minimum=0)
-        if tid < 0:
-            continue
-        if tid >= (n if n is not None else rows):
-            fail(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n if n is not None else rows}")
-        cfg[field] = tid
-
-
-def _gemma3_config(k: _Keys, cfg: dict) -> None:
+def _gemma3_config(k: Keys, cfg: dict) -> None:
     """Gemma 3's fields, as llama.cpp's gemma3 computes: sliding-window layers by
     attention.sliding_window_pattern (one bool per layer, or n: every n-th layer full; 6 where
     absent), their RoPE base rope.freq_base_swa (10000 where absent), queries scaled by
@@ -207,14 +132,14 @@ def _gemma3_config(k: _Keys, cfg: dict) -> None:
     if window > 0:
         v = k.h.metadata.get(p + "attention.sliding_window_pattern")
         if v is None or v.type in INTEGER_TYPES:
-            pattern = 6 if v is None else int(v.value)
+            pattern = k.int("attention.sliding_window_pattern", 6, minimum=0)  # llama.cpp: 0, every layer sliding
             types = ["sliding_attention" if pattern == 0 or i % pattern < pattern - 1 else "full_attention"
                      for i in range(n)]
         elif v.type == "array[bool]" and len(v.value) == n:
             types = ["sliding_attention" if b else "full_attention" for b in v.value]
         else:
             k.fail(f"{p}attention.sliding_window_pattern must be an integer or {n} bools (one per layer), got "
-                   f"{v.type} {_shown(v.value)}")
+                   f"{v.type} {shown(v.value)}")
         cfg["sliding_window"] = window
     else:
         types = ["full_attention"] * n
@@ -226,9 +151,9 @@ def _gemma3_config(k: _Keys, cfg: dict) -> None:
 
 
 def llama_config(header: GGUFHeader) -> dict:
-    """The transformers config fields (LlamaConfig, Qwen2Config or Qwen3Config) of a validated GGUF
-    header (see the module docstring); a FileFormatError naming the file and the key for anything
-    fewbits would not run as llama.cpp."""
+    """The transformers config fields (LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config or
+    Gemma3TextConfig) of a validated GGUF header (see the module docstring); a FileFormatError
+    naming the file and the key for anything fewbits would not run as llama.cpp."""
     arch = header.metadata.get("general.architecture")
     if arch is None or arch.type != "string":
         raise FileFormatError(header.path, "general.architecture is missing or not a string")
@@ -236,7 +161,7 @@ def llama_config(header: GGUFHeader) -> dict:
         raise FileFormatError(header.path, f"fb.from_pretrained reads GGUF files of the architectures "
                                            f"{', '.join(sorted(READ_CLASSES))}; this one is {arch.value!r}")
     p = arch.value + "."
-    k = _Keys(header, p)
+    k = Keys(header, p)
     _check_other_keys(k)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embed is None or len(embed.dims) != 2:
@@ -300,7 +225,7 @@ def llama_config(header: GGUFHeader) -> dict:
         _gemma3_config(k, cfg)
     if arch.value == "phi3":  # its defaults (pad 32000, ...) would lie outside a smaller vocabulary
         cfg.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    _check_vocabulary(header, rows, cfg)
+    cfg.update(check_vocabulary(header, rows))
     return cfg
 
 
@@ -313,7 +238,7 @@ def _config(cfg: dict):
 
 def _gguf_arch(cfg: dict) -> str:
     """The GGUF architecture name of llama_config's fields."""
-    return "gemma3" if cfg["model_type"] == "gemma3_text" else cfg["model_type"]
+    return ARCHITECTURES[cfg["architectures"][0]]
 
 
 def _expected_names(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:

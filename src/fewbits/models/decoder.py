@@ -418,6 +418,12 @@ class LlamaDecoder:
             if r not in _STATIC_ROPE:
                 raise ValueError(f"LlamaDecoder needs a rotary embedding fixed per position "
                                  f"({', '.join(_STATIC_ROPE)}); this model's is {r!r}")
+        rp = getattr(config, "rope_parameters", None)
+        partial = getattr(config, "partial_rotary_factor", None)
+        if partial is None and isinstance(rp, dict):
+            partial = rp.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"LlamaDecoder rotates whole heads; this model's partial_rotary_factor is {partial}")
         attn = layers[0].self_attn
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         extra = None
@@ -426,8 +432,11 @@ class LlamaDecoder:
                 raise ValueError("LlamaDecoder does not cap attention scores (attn_logit_softcapping)")
             if getattr(config, "use_bidirectional_attention", False):
                 raise ValueError("LlamaDecoder runs causal attention; this model's is bidirectional")
-            extra = {"post": post, "types": list(config.layer_types),
-                     "window": getattr(config, "sliding_window", None),
+            window = getattr(config, "sliding_window", None)
+            if "sliding_attention" in config.layer_types and (
+                    isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise ValueError(f"sliding layers need a sliding_window of at least 1 position; this model's is {window!r}")
+            extra = {"post": post, "types": list(config.layer_types), "window": window,
                      "softcap": getattr(config, "final_logit_softcapping", None)}
         return embed, parts, qk, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling, extra
 

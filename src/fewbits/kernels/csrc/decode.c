@@ -1,6 +1,8 @@
 /* One decode step of a Llama-architecture model in one C call: every layer's RMSNorms, rotary
  * embedding (after Qwen3's per-head q/k RMSNorms where the layer has them), KV-cache write,
- * one-query attention, SiLU gate and residuals, with the seven linear layers of each run by their
+ * one-query attention, SiLU or GELU (tanh) gate and residuals (and, per layer where given, Gemma
+ * 3's norms of the attention's and the MLP's outputs, a sliding window, a rotary table of its own;
+ * Phi-3's fused q/k/v and gate/up kernels), with the seven linear layers of each run by their
  * own one-row kernels (lut4.c's fb_lut4_row, introw.c's fb_introw_row, w4a8.c's fb_w4a8_row,
  * int8w.c's fb_int8w_row, int8mm.c's fb_w8a8_amx_row: all int32 f(const void *args, const float
  * *x, float *y)) through the addresses Python hands over. What it replaces is Python: ~45 torch

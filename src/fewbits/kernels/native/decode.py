@@ -168,7 +168,7 @@ class DecodeStep:
                 raise ValueError(f"layer {i}: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
             entry.act = ACTIVATIONS.index(act)
             window = spec.get("window") or 0
-            if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 2 ** 62:
                 raise ValueError(f"layer {i}: window must be a non-negative int, got {window!r}")
             entry.window = window
             for k in ("cos", "sin"):
