@@ -177,8 +177,16 @@ def test_a_gguf_vocabulary_is_copied_once_checked(tmp_path):
             write_gguf(tmp_path / "x.gguf", _tensors(model, None), model.config, str(bad))
         assert not (tmp_path / "x.gguf").exists()
     small = _model(vocab_size=200)
-    with pytest.raises(ValueError, match=f"the vocabulary has {n} tokens, more than the 200"):
+    with pytest.raises(ValueError, match=f"the vocabulary has {n} tokens, more than the 200 tokens of this model"):
         write_gguf(tmp_path / "x.gguf", _tensors(small, None), small.config, str(src))
+    large = _model(vocab_size=400)  # llama.cpp sizes the embedding by the vocabulary: refused too
+    with pytest.raises(ValueError, match=f"has {n} tokens, this model's vocab_size is 400"):
+        write_gguf(tmp_path / "x.gguf", _tensors(large, None), large.config, str(src))
+    # the file's general.name goes with its vocabulary (not the config's, a scratch directory's)
+    rewrite(src, tmp_path / "named.gguf", set={"general.name": ("string", "my-gemma-3")})
+    model.config._name_or_path = "/tmp/scratch/model"
+    write_gguf(tmp_path / "y.gguf", _tensors(model, None), model.config, str(tmp_path / "named.gguf"))
+    assert fields(tmp_path / "y.gguf")[1]["general.name"] == "my-gemma-3"
 
 
 def test_gemma_config_json_dicts_and_quantized_norms(tmp_path):
@@ -205,6 +213,7 @@ def test_gemma_config_json_dicts_and_quantized_norms(tmp_path):
     ({"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
     ({"hidden_activation": "gelu"}, "gelu_pytorch_tanh"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"sliding_window": 2 ** 32}, "sliding_window must be an int from 1 to 2"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
      "sliding layers"),
@@ -294,6 +303,8 @@ def test_crafted_gemma3_files_are_refused_before_any_model_is_built(tmp_path):
                             "sliding_window must be at least 0"),
         "negative pattern": (crafted("q.gguf", set={"gemma3.attention.sliding_window_pattern": ("i32", -6)}),
                              "sliding_window_pattern must be at least 0"),
+        "huge window": (crafted("h.gguf", set={"gemma3.attention.sliding_window": ("u64", 2 ** 64 - 1)}),
+                        "sliding_window 18446744073709551615 is beyond any context"),
         "string pattern": (crafted("s.gguf", set={"gemma3.attention.sliding_window_pattern": ("string", "6")}),
                            "sliding_window_pattern must be an integer or 7 bools"),
         "swa base": (crafted("b.gguf", set={"gemma3.rope.freq_base_swa": ("f32", float("nan"))}),

@@ -645,6 +645,7 @@ class _Vocab:
     add_space_prefix: bool | None = None
     token_type_count: int | None = None
     copied: dict | None = None  # {key: GGUFValue} of another GGUF file's tokenizer.*, written as they are
+    name: str | None = None     # that file's general.name (its model's name goes with its vocabulary)
 
 
 # tokenizer.ggml.pre names of split regexes (llama.cpp's names; transformers' GGUF reader holds the
@@ -729,10 +730,16 @@ def _gguf_vocabulary(path, cfg: dict) -> _Vocab:
     model = keys.get("tokenizer.ggml.model")
     if model is None or model.type != "string":
         raise ValueError(f"{path} has no vocabulary to copy (tokenizer.ggml.model is missing or not a string)")
-    if model.value != "none" and (keys.get("tokenizer.ggml.tokens") is None):
+    tokens = keys.get("tokenizer.ggml.tokens")
+    if model.value != "none" and tokens is None:
         raise ValueError(f"{path}: tokenizer.ggml.tokens is missing")
-    check_vocabulary(header, _need(cfg, "vocab_size"))
-    return _Vocab(model=model.value, copied=keys)
+    vocab_size = _need(cfg, "vocab_size")
+    check_vocabulary(header, vocab_size, "tokens of this model's vocab_size")
+    if tokens is not None and len(tokens.value) != vocab_size:  # llama.cpp sizes the embedding by the vocabulary
+        raise ValueError(f"{path}'s vocabulary has {len(tokens.value)} tokens, this model's vocab_size is {vocab_size}: "
+                         "llama.cpp would refuse the embedding's shape")
+    name = header.get("general.name")
+    return _Vocab(model=model.value, copied=keys, name=name if isinstance(name, str) and name.strip() else None)
 
 
 def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
@@ -921,10 +928,15 @@ _PHI3_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
 def _model_name(cfg: dict, vocab: _Vocab) -> str | None:
     """general.name: the model directory's name; left out (with a warning) where llama.cpp's
     Phi-3 fix-ups, keyed on the name, would look for tokens this vocabulary does not have."""
-    name = cfg.get("_name_or_path") or cfg.get("name_or_path")
-    if not isinstance(name, str) or not name.strip():
+    if vocab.copied is not None:  # a model read from a GGUF keeps that file's name (or none)
+        name = vocab.name
+    else:
+        name = cfg.get("_name_or_path") or cfg.get("name_or_path")
+        if not isinstance(name, str) or not name.strip():
+            return None
+        name = os.path.basename(name.rstrip("/\\")) or name
+    if name is None:
         return None
-    name = os.path.basename(name.rstrip("/\\")) or name
     if vocab.model == "none" or not any(k in name.lower() for k in ("phi3", "phi-3")):
         return name
     listed = vocab.copied.get("tokenizer.ggml.tokens") if vocab.copied is not None else None
@@ -1038,8 +1050,8 @@ def _check_gemma3(cfg: dict, d: dict) -> None:
                          f"for this model ({d['num_hidden_layers']} layers, head_dim {d['head_dim']})")
     if "sliding_attention" in types:
         window = cfg.get("sliding_window")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"sliding_window must be a positive int for the sliding layers, got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2 ** 31:
+            raise ValueError(f"sliding_window must be an int from 1 to 2^31 - 1 for the sliding layers, got {window!r}")
         if _rope(cfg, "sliding_attention")[1] is not None:
             raise ValueError("linear RoPE scaling of the sliding layers: llama.cpp's gemma3 scales only the full "
                              "attention layers' RoPE")

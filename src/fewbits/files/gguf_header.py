@@ -295,11 +295,12 @@ def shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_vocabulary(header: GGUFHeader, rows: int) -> dict:
+def check_vocabulary(header: GGUFHeader, rows: int, what: str = "rows of token_embd.weight") -> dict:
     """The file's special token ids {config field: id} (bos_token_id, ...) once its vocabulary
     (tokenizer.ggml.*) has passed the checks llama.cpp's loader relies on: the arrays of the types
-    llama.cpp writes, as long as the token list, no more tokens than `rows` (the embedding's), and
-    every special id inside the vocabulary; a FileFormatError otherwise."""
+    llama.cpp writes, as long as the token list, no more tokens than `rows` (the embedding's;
+    `what` names them in the message), and every special id inside the vocabulary; a
+    FileFormatError otherwise."""
     def fail(problem):
         raise FileFormatError(header.path, problem)
 
@@ -319,7 +320,7 @@ def check_vocabulary(header: GGUFHeader, rows: int) -> dict:
     if tokens is not None:
         n = len(tokens.value)
         if n > rows:
-            fail(f"the vocabulary has {n} tokens, more than the {rows} rows of token_embd.weight")
+            fail(f"the vocabulary has {n} tokens, more than the {rows} {what}")
     k = Keys(header, "tokenizer.ggml.")
     ids = {}
     for name, field in SPECIAL_IDS.items():

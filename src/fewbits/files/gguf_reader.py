@@ -125,6 +125,8 @@ def _gemma3_config(k: Keys, cfg: dict) -> None:
     final_logit_softcapping where given."""
     p, n = k.prefix, cfg["num_hidden_layers"]
     window = k.int("attention.sliding_window", 0, minimum=0)
+    if window >= 2 ** 31:  # llama.cpp reads a u32; transformers' caches take an int64
+        k.fail(f"{p}attention.sliding_window {window} is beyond any context (2^31 positions)")
     full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
     if "rope_scaling" in cfg:
         full.update(cfg.pop("rope_scaling"))
