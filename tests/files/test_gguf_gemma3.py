@@ -189,6 +189,67 @@ def test_a_gguf_vocabulary_is_copied_once_checked(tmp_path):
     assert fields(tmp_path / "y.gguf")[1]["general.name"] == "my-gemma-3"
 
 
+def _sentencepiece_dir(path):
+    """A SentencePiece BPE model with byte fallback trained on pydoc text, configured as Gemma's
+    (no dummy prefix, whitespace and text as they are; bos 2, eos 1), alone in a directory with a
+    tokenizer_config.json: what a Gemma / Llama-2 / Phi-3 directory holds (tokenizer.model)."""
+    spm = pytest.importorskip("sentencepiece")
+    from pydoc_data.topics import topics
+
+    path.mkdir()
+    (path / "text.txt").write_text("\n".join(topics[k] for k in sorted(topics))[:100_000])
+    spm.SentencePieceTrainer.train(input=str(path / "text.txt"), model_prefix=str(path / "tokenizer"), vocab_size=512,
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.98, unk_id=3, bos_id=2,
+                                   eos_id=1, pad_id=0, add_dummy_prefix=False, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", minloglevel=2, num_threads=1)
+    (path / "text.txt").unlink()
+    (path / "tokenizer.vocab").unlink()
+    (path / "tokenizer_config.json").write_text('{"add_bos_token": true, "add_eos_token": false}')
+    return path, spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+
+
+def test_a_sentencepiece_vocabulary_is_written_as_llama_cpps_converter_writes_it(tmp_path):
+    """A tokenizer directory with a SentencePiece model (tokenizer.model, as Gemma's, Llama 2's and
+    Phi-3's): tokenizer.ggml.model "llama", every piece with its score and kind in id order (as
+    llama.cpp's convert_hf_to_gguf writes them, from sentencepiece itself), [PADi] up to vocab_size;
+    transformers' GGUF tokenizer then splits text as sentencepiece does. `fewbits quantize DIR
+    --format gguf` takes such a directory."""
+    from fewbits.cli import main
+
+    tokdir, sp = _sentencepiece_dir(tmp_path / "tok")
+    model = _model(vocab_size=520)
+    out = tmp_path / "out"
+    out.mkdir()
+    write_gguf(out / "g.gguf", _tensors(model, "q8_0"), model.config, str(tokdir))
+    _, meta = fields(out / "g.gguf")
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is False
+    n = sp.GetPieceSize()
+    assert meta["tokenizer.ggml.tokens"] == [sp.IdToPiece(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, 520)]
+    assert np.allclose(meta["tokenizer.ggml.scores"][:n], [sp.GetScore(i) for i in range(n)])
+    T = gguf.TokenType
+    kinds = [T.UNKNOWN if sp.IsUnknown(i) else T.CONTROL if sp.IsControl(i) else T.BYTE if sp.IsByte(i) else T.NORMAL
+             for i in range(n)]
+    assert meta["tokenizer.ggml.token_type"] == [int(k) for k in kinds] + [int(T.UNUSED)] * (520 - n)
+    assert meta["tokenizer.ggml.bos_token_id"] == 2 and meta["tokenizer.ggml.eos_token_id"] == 1
+    assert meta["tokenizer.ggml.add_bos_token"] is True
+    tok = transformers.AutoTokenizer.from_pretrained(out, gguf_file="g.gguf")
+    for text in ("Hello world 123 \u00e9t\u00e9", "def f(x):\n    return x ** 2", "  two  spaces\tand a tab"):
+        assert tok(text, add_special_tokens=False)["input_ids"] == sp.Encode(text), text
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    for f in tokdir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["quantize", str(src), "--scheme", "q8_0", "--format", "gguf", "--out", str(out / "q.gguf"), "--quiet"])
+    assert rc == 0, err.getvalue()
+    assert fields(out / "q.gguf")[1]["tokenizer.ggml.tokens"] == meta["tokenizer.ggml.tokens"]
+    (tokdir / "tokenizer.model").write_bytes(b"\x0a\xff" * 50)  # not a SentencePiece model
+    with pytest.raises(ValueError, match="cannot read the SentencePiece model"):
+        write_gguf(out / "bad.gguf", _tensors(model, None), model.config, str(tokdir))
+    assert not (out / "bad.gguf").exists()
+
+
 def test_gemma_config_json_dicts_and_quantized_norms(tmp_path):
     """A Gemma 3 config.json as saved before per-kind RoPE (rope_theta, rope_local_base_freq)
     gives the same metadata as its config object; a quantized norm is refused (GGUF stores

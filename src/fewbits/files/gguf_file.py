@@ -119,6 +119,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import tempfile
 import typing
 import warnings
@@ -644,6 +645,7 @@ class _Vocab:
     chat_template: object = None
     add_space_prefix: bool | None = None
     token_type_count: int | None = None
+    scores: list | None = None  # a SentencePiece vocabulary's piece scores
     copied: dict | None = None  # {key: GGUFValue} of another GGUF file's tokenizer.*, written as they are
     name: str | None = None     # that file's general.name (its model's name goes with its vocabulary)
 
@@ -748,15 +750,25 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
         return _Vocab(model="none")
     if is_gguf_file(tokenizer):
         return _gguf_vocabulary(os.fspath(tokenizer), cfg)
+    if _decoder(arch) and isinstance(tokenizer, (str, os.PathLike)) and os.path.isdir(tokenizer) \
+            and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")) \
+            and os.path.isfile(os.path.join(tokenizer, "tokenizer.model")):  # a SentencePiece model alone
+        vocab_size = _need(cfg, "vocab_size")
+        spm = os.path.join(os.fspath(tokenizer), "tokenizer.model")
+        return _special(_spm_vocabulary(spm, None, vocab_size), None, cfg, vocab_size, os.fspath(tokenizer))
     tok = _load_tokenizer(tokenizer)
     backend = json.loads(tok.backend_tokenizer.to_str())
     kind = (backend.get("model") or {}).get("type")
     vocab_size = _need(cfg, "vocab_size")
     if _decoder(arch):
         if kind != "BPE" or (backend.get("model") or {}).get("byte_fallback"):
+            spm = _sentencepiece_file(tokenizer, tok)
+            if spm is not None:
+                return _special(_spm_vocabulary(spm, tok, vocab_size), tok, cfg, vocab_size)
             raise ValueError(f"a {arch} GGUF is written with a byte-level BPE tokenizer (llama.cpp's gpt2 "
-                             f"vocabulary); this tokenizer is {kind}"
-                             f"{' with byte fallback (sentencepiece)' if kind == 'BPE' else ''}")
+                             f"vocabulary) or a SentencePiece one (its tokenizer.model beside it); this tokenizer "
+                             f"is {kind}{' with byte fallback (sentencepiece)' if kind == 'BPE' else ''}, without "
+                             "a tokenizer.model")
         pre, prefix = _bpe_pre(backend.get("pre_tokenizer"))
         v = _Vocab(model="gpt2", pre=pre, add_space_prefix=prefix)
     else:
@@ -783,8 +795,81 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
             token = token[2:] if token.startswith("##") else "\u2581" + token
         v.tokens.append(token)
         v.token_types.append(kind_i)
+    return _special(v, tok, cfg, vocab_size)
+
+
+def _sentencepiece_file(tokenizer, tok) -> str | None:
+    """The SentencePiece model (tokenizer.model) of a tokenizer directory or a loaded tokenizer."""
+    for where in ((os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None),
+                  getattr(tok, "name_or_path", None)):
+        if isinstance(where, str) and os.path.isdir(where) and os.path.isfile(os.path.join(where, "tokenizer.model")):
+            return os.path.join(where, "tokenizer.model")
+    f = getattr(tok, "vocab_file", None)
+    return f if isinstance(f, str) and os.path.isfile(f) else None
+
+
+_MAX_SPM_BYTES = 256 << 20
+
+
+def _spm_vocabulary(model_file: str, tok, vocab_size: int) -> _Vocab:
+    """llama.cpp's "llama" (SentencePiece) vocabulary of a tokenizer.model, as its converter writes
+    it (_create_vocab_sentencepiece): every piece with its score and kind (NORMAL, UNKNOWN,
+    CONTROL, UNUSED, BYTE) in id order, the tokenizer's added tokens beyond them (CONTROL when
+    special, else USER_DEFINED, score -1000), [PADi] up to vocab_size; add_space_prefix as the
+    model adds its dummy prefix ("a" encoded with a leading "▁")."""
+    gguf = _gguf()
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ValueError("writing a SentencePiece vocabulary (tokenizer.model) needs the sentencepiece package: "
+                         "pip install sentencepiece") from None
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        if os.path.getsize(model_file) > _MAX_SPM_BYTES:  # real ones are a few MB; read whole below
+            raise ValueError(f"{os.path.getsize(model_file)} bytes, more than a SentencePiece model holds "
+                             f"({_MAX_SPM_BYTES >> 20} MiB at most here)")
+        with open(model_file, "rb") as f:
+            sp.LoadFromSerializedProto(f.read())
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises plain RuntimeError / OSError
+        raise ValueError(f"cannot read the SentencePiece model {model_file}: {type(e).__name__}: {e}") from None
+    n = sp.GetPieceSize()
+    if n > vocab_size:
+        raise ValueError(f"{model_file} has {n} pieces, more than the model's vocab_size {vocab_size}")
+    T = gguf.TokenType
+    v = _Vocab(model="llama", pre="default", scores=[])
+    for i in range(n):
+        kind = (T.UNKNOWN if sp.IsUnknown(i) else T.CONTROL if sp.IsControl(i) else T.UNUSED if sp.IsUnused(i)
+                else T.BYTE if sp.IsByte(i) else T.NORMAL)
+        v.tokens.append(sp.IdToPiece(i))
+        v.scores.append(float(sp.GetScore(i)))
+        v.token_types.append(kind)
+    added = dict(getattr(tok, "added_tokens_decoder", {}) or {})
+    for i in range(n, vocab_size):
+        a = added.get(i)
+        if a is None:
+            v.tokens.append(f"[PAD{i}]")
+            v.token_types.append(T.UNUSED)
+        else:
+            v.tokens.append(str(a.content if hasattr(a, "content") else a))
+            v.token_types.append(T.CONTROL if getattr(a, "special", False) else T.USER_DEFINED)
+        v.scores.append(-1000.0)
+    pieces = sp.EncodeAsPieces("a")
+    v.add_space_prefix = bool(pieces) and pieces[0].startswith("\u2581")
+    return v
+
+
+def _special(v: _Vocab, tok, cfg: dict, vocab_size: int, directory: str | None = None) -> _Vocab:
+    """v with the special token ids, the add_bos/add_eos flags and the chat template (gguf's
+    SpecialVocab over the tokenizer's files and the config's ids; tok None: the files of
+    `directory` as they are, the flags as its tokenizer_config.json says)."""
+    gguf = _gguf()
     with tempfile.TemporaryDirectory(prefix="fewbits-gguf-vocab-") as tmp:
-        tok.save_pretrained(tmp)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        else:
+            for name in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+                if os.path.isfile(os.path.join(directory, name)):
+                    shutil.copyfile(os.path.join(directory, name), os.path.join(tmp, name))
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump({k: val for k, val in cfg.items() if k.endswith("_token_id") and isinstance(val, int)}, f)
         special = gguf.SpecialVocab(tmp, load_merges=v.model == "gpt2", n_vocab=vocab_size)
@@ -794,6 +879,8 @@ def _vocabulary(tokenizer, cfg: dict, arch: str) -> _Vocab:
     v.special_ids = dict(special.special_token_ids)
     v.add_flags = dict(special.add_special_token)
     v.chat_template = special.chat_template
+    if tok is None:
+        return v
     with_special = tok("a")["input_ids"]
     without = tok("a", add_special_tokens=False)["input_ids"]
     if "bos" not in v.add_flags and "bos" in v.special_ids:
@@ -836,6 +923,8 @@ def _add_vocab(w, v: _Vocab, cfg: dict) -> None:
         w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)
     w.add_token_types(v.token_types)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
     if v.merges:
         w.add_token_merges(v.merges)
     if v.token_type_count is not None:
