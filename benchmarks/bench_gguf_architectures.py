@@ -1,7 +1,8 @@
 """Does llama.cpp compute what transformers computes, for the GGUFs fewbits writes of each decoder
 architecture? SmolLM2-135M's trained weights dressed as Llama, Mistral, Qwen2 (zero q/k/v
 biases: the same function), Phi-3 (q/k/v and gate/up fused: the same function) and Qwen3 (its
-per-head q/k RMSNorms with weight 1: another function),
+per-head q/k RMSNorms with weight 1: another function), Gemma 2 (GELU, scaled embeddings, post
+norms, capped scores: another function),
 each written by `fewbits quantize DIR --scheme S --format gguf` and scored by llama.cpp's own
 `llama-perplexity`; transformers scores the same tokens the same way.
 
@@ -41,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_gguf_decode import tools_dir  # noqa: E402  (llama.cpp's tools, built once by setup_llama_tools.sh)
 
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 def gemma_source(work: str) -> str | None:
@@ -78,9 +79,16 @@ def dressed(kind: str, out: str) -> str:
     fields = {k: cfg[k] for k in keep if k in cfg}
     if fields.get("rope_theta") is None:
         fields["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
-    extra = {"mistral": {"sliding_window": None}, "qwen3": {"head_dim": fields["hidden_size"] // fields["num_attention_heads"]},
-             "qwen2": {}, "llama": {}, "phi3": {"sliding_window": None}}[kind]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+             "gemma2": "Gemma2"}[kind]
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    extra = {"mistral": {"sliding_window": None}, "qwen3": {"head_dim": head_dim},
+             "qwen2": {}, "llama": {}, "phi3": {"sliding_window": None},
+             # Gemma 2: GELU, scaled embeddings, post norms and capped scores make it another function
+             "gemma2": {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
+                        "hidden_activation": "gelu_pytorch_tanh"}}[kind]
+    if kind == "gemma2":
+        fields.pop("hidden_act", None)
     config = getattr(transformers, names + "Config")(**fields, **extra)
     model = getattr(transformers, names + "ForCausalLM")(config)
     state = base.state_dict()
@@ -91,11 +99,13 @@ def dressed(kind: str, out: str) -> str:
                 [state.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             state[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [state.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    if kind == "gemma2":  # Gemma multiplies by 1 + weight: the same factors as SmolLM2's norms
+        state = {k: (v - 1.0 if k.endswith("norm.weight") else v) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    for name in missing:  # Qwen2's q/k/v biases: zero; Qwen3's q/k norms: one
+    for name in missing:  # Qwen2's q/k/v biases: zero; Qwen3's q/k norms: one; Gemma 2's post norms: 1 + 0
         p = model.get_parameter(name)
         with torch.no_grad():
-            p.fill_(1.0 if "norm" in name else 0.0)
+            p.fill_(1.0 if "norm" in name and kind != "gemma2" else 0.0)
     assert not unexpected, unexpected
     model.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(src).save_pretrained(out)

@@ -202,8 +202,8 @@ def test_crafted_qwen_files_are_refused_before_any_model_is_built(tmp_path):
         return ("f32", float(v)) if isinstance(v, float) else ("u32", int(v))
 
     cases = {
-        "gemma2 architecture": (crafted("g.gguf", set={"general.architecture": ("string", "gemma2")}),
-                                "architectures gemma3, llama, phi3, qwen2, qwen3; this one is 'gemma2'"),
+        "starcoder2 architecture": (crafted("g.gguf", set={"general.architecture": ("string", "starcoder2")}),
+                                    "architectures gemma2, gemma3, llama, phi3, qwen2, qwen3; this one is 'starcoder2'"),
         "keys under llama.": (crafted("k.gguf", drop=tuple(keys), set={k.replace("qwen2.", "llama.", 1): typed(v)
                                                                        for k, v in keys.items()}),
                               "qwen2.block_count is missing"),

@@ -624,8 +624,8 @@ def assert_nothing_written(directory, name):
 
 def test_unsupported_architecture(tmp_path):
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    supported = ("supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
-                 "Phi3ForCausalLM, BertModel")
+    supported = ("supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
+                 "Gemma3ForCausalLM, Phi3ForCausalLM, BertModel")
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel|model_type 'gpt2'.*" + supported):
         write_gguf(tmp_path / "x.gguf", {}, cfg)
     with pytest.raises(ValueError, match=supported):

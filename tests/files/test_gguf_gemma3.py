@@ -5,7 +5,8 @@ stored as 1 + weight (Gemma multiplies by 1 + weight), q/k norms, norms after at
 the MLP, GELU (tanh), embeddings scaled by sqrt(hidden_size), sliding-window layers with their own
 RoPE base, optional final soft-capping. The real Gemma-3-270M (a Q4_K_M file in PyPI chunk
 packages) is read, re-exported and run in tests marked slow; llama.cpp runs the re-exported file in
-benchmarks/bench_gguf_architectures.py (its tools are not in CI)."""
+benchmarks/bench_gguf_architectures.py (its tools are not in CI). Gemma 2 ("gemma2": no q/k norms,
+attention and final soft-capping, one RoPE base, always tied) at the end."""
 from __future__ import annotations
 
 import contextlib
@@ -431,3 +432,66 @@ def test_real_gemma3_270m_runs_and_round_trips(gemma_270m, tmp_path):
     again = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="re.gguf")
     text = "Gemma's vocabulary: 262144 tokens, \u00e9t\u00e9, \u4e2d\u6587, emoji \U0001F600 and  two spaces."
     assert again(text)["input_ids"] == tok(text)["input_ids"]
+
+
+# --- Gemma 2 ----------------------------------------------------------------------------------
+def _gemma2(**overrides):
+    cfg = transformers.Gemma2Config(**{**{k: v for k, v in SMALL.items()}, "num_hidden_layers": 4, **overrides})
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q5_k", None])
+def test_gemma2_written_as_llama_cpps_gemma2_and_read_back_bit_for_bit(tmp_path, scheme):
+    model = _gemma2()
+    tensors = _tensors(model, scheme)
+    path = tmp_path / "m.gguf"
+    assert write_gguf(path, tensors, model.config).architecture == "gemma2"
+    _, meta = fields(path)
+    assert meta["gemma2.attn_logit_softcapping"] == 50.0 and meta["gemma2.final_logit_softcapping"] == 30.0
+    assert meta["gemma2.attention.sliding_window"] == 8 and meta["gemma2.attention.sliding_window_pattern"] == 2
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert "blk.0.post_ffw_norm.weight" in names and "blk.0.attn_q_norm.weight" not in names
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = _reference(model, tensors)(_ids()).logits
+        assert torch.equal(read(_ids()).logits, want)
+        mine = fb.from_pretrained(str(path))
+        assert type(mine).__name__ == "Gemma2ForCausalLM" and mine.config.layer_types == model.config.layer_types
+        assert (mine.config.attn_logit_softcapping, mine.config.final_logit_softcapping) == (50.0, 30.0)
+        got = mine(_ids()).logits
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"tie_word_embeddings": False}, "llama.cpp's gemma2 reads its output layer from the token embedding"),
+    ({"attn_logit_softcapping": None}, "attn_logit_softcapping must be a finite number > 0"),
+    ({"final_logit_softcapping": None}, "final_logit_softcapping must be a finite number > 0"),
+    ({"query_pre_attn_scalar": 64}, "query_pre_attn_scalar 64"),
+])
+def test_gemma2_configs_llama_cpp_would_compute_otherwise_are_refused(tmp_path, overrides, message):
+    model = _gemma2(**overrides)
+    with pytest.raises(ValueError, match=message):
+        write_gguf(tmp_path / "x.gguf", _tensors(model, None), model.config)
+
+
+def test_crafted_gemma2_files_are_refused(tmp_path):
+    from gguf_craft import rewrite
+
+    from fewbits.files import FileFormatError
+
+    model = _gemma2()
+    src = tmp_path / "g.gguf"
+    write_gguf(src, _tensors(model, "q8_0"), model.config)
+    bad = tmp_path / "b.gguf"
+    rewrite(src, bad, set={"gemma2.rope.freq_base_swa": ("f32", 500.0)})
+    with pytest.raises(FileFormatError, match="rope.freq_base_swa 500.0 differs from rope.freq_base"):
+        fb.from_pretrained(str(bad))
+    rewrite(src, bad, drop=("gemma2.attn_logit_softcapping", "gemma2.attention.sliding_window_pattern"))
+    defaults = fb.from_pretrained(str(bad)).config  # llama.cpp's defaults: a cap of 50, every other layer sliding
+    assert defaults.attn_logit_softcapping == 50.0 and defaults.layer_types == model.config.layer_types

@@ -54,11 +54,11 @@ def test_rope_bit_for_bit_the_torch_ops(heads, hd):
     assert torch.equal(got, want)
 
 
-def _attend(q, k, v, heads, kv_heads, capacity, hd, length, scaling):
+def _attend(q, k, v, heads, kv_heads, capacity, hd, length, scaling, softcap=0.0):
     out = torch.empty(heads, hd)
     scores = torch.empty(heads * capacity)
     LIB.fb_decode_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), heads, kv_heads, capacity, hd, length, scaling,
-                         scores.data_ptr(), out.data_ptr())
+                         softcap, scores.data_ptr(), out.data_ptr())
     return out
 
 
@@ -85,6 +85,22 @@ def test_attention_within_float32_error_of_float64(heads, kv_heads, hd, length):
     bound = (score_err.max(-1).values * 2 + (length + 4) * U)[:, None] * vv.abs().amax(1) * 2
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).abs() <= bound + 1e-30).all()
+
+
+def test_capped_attention_within_float32_error_of_float64():
+    """Gemma 2's soft-capped scores (cap tanh(s / cap)): against float64, within the float32
+    error of the scores (tanh shrinks it) and of the weighted sum."""
+    heads, kv_heads, hd, length, cap = 8, 2, 32, 40, 5.0
+    g = _gen(7)
+    q, k, v = (torch.randn(heads, hd, generator=g) * 3, torch.randn(kv_heads, length, hd, generator=g) * 3,
+               torch.randn(kv_heads, length, hd, generator=g))
+    out = _attend(q, k, v, heads, kv_heads, length, hd, length, hd ** -0.5, cap)
+    kk, vv = k.double().repeat_interleave(4, 0), v.double().repeat_interleave(4, 0)
+    s = torch.einsum("hd,hpd->hp", q.double(), kk) * hd ** -0.5
+    ref = torch.einsum("hp,hpd->hd", torch.softmax(torch.tanh(s / cap) * cap, -1), vv)
+    assert ((out.double() - ref).abs() <= 64 * (hd + length) * U * vv.abs().max()).all()
+    uncapped = _attend(q, k, v, heads, kv_heads, length, hd, length, hd ** -0.5)
+    assert (out - uncapped).abs().max() > 1e-3  # the cap changes the scores of this data
 
 
 def test_attention_with_one_position_returns_its_value():
@@ -175,6 +191,7 @@ def test_decode_step_with_zero_weights():
     (lambda a: a["layers"][0].update(window=2 ** 63), "window must be a non-negative int"),
     (lambda a: a["layers"][0].update(cos=torch.ones(7, 32)), "layer 0 cos"),
     (lambda a: a["layers"][1].update(post1=torch.ones(63), eps_p1=1e-6), "layer 1 post1"),
+    (lambda a: a["layers"][1].update(softcap=float("nan")), "softcap must be a finite number"),
 ])
 def test_decode_step_refuses_bad_arguments(change, match):
     args = _step_args()

@@ -201,6 +201,40 @@ def test_gemma3_quantized_bit_for_bit_and_natively(scheme, prompt):
         LlamaDecoder(partial)
 
 
+def _gemma2(**overrides):
+    """A tiny Gemma 2 (transformers' eager attention, as Gemma 2 needs for its capped scores):
+    layers 0 and 2 sliding (a window of 6), attention and logits capped low enough to matter."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**SMALL, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                                          "num_hidden_layers": 3, "attn_logit_softcapping": 2.0,
+                                          "final_logit_softcapping": 3.0, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("prompt", [4, 6, 10])
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 4}])
+def test_gemma2_bit_for_bit(prompt, overrides):
+    """Gemma 2's capped attention (transformers' eager attention, its masks) and the rest of its
+    blocks give transformers' logits bit for bit, before, at and past the window."""
+    _check_exact(_gemma2(**overrides), _ids(prompt), new=12)
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "q8_0"])
+def test_gemma2_quantized_natively(scheme):
+    model = _gemma2()
+    fb.quantize_model(model, scheme, embeddings=True, tied="untie")
+    _check_exact(model, _ids(10), new=10)
+    _check_native(model, _ids(10), new=10)
+
+
 def test_smollm2_int4_bit_for_bit(smollm2_int4):
     _check_exact(smollm2_int4, _ids(24, 49152), new=8)
 

@@ -26,7 +26,9 @@ GGUFWriter, the tensor names of `gguf.get_tensor_name_map`, the metadata keys ll
   post_ffw_norm; every norm written as 1 + weight in float32, the factor Gemma multiplies by;
   key_length / value_length always; attention.sliding_window, attention.sliding_window_pattern
   (n when every n-th layer is full, else one bool per layer) and rope.freq_base_swa where some
-  layer slides; final_logit_softcapping where set). The llama.cpp these files are checked with
+  layer slides; final_logit_softcapping where set); Gemma2ForCausalLM "gemma2" (as gemma3 without
+  q/k norms and with one RoPE base, attn_logit_softcapping and final_logit_softcapping always,
+  the embedding always tied, as llama.cpp's gemma2 reads them). The llama.cpp these files are checked with
   (llama-cpp-python 0.3.36's) reads all of these keys; older builds took Gemma 3's pattern as 6
   and its sliding RoPE base as 10000, Gemma's own values.
 - BertModel (all-MiniLM-L6-v2), GGUF arch "bert": token_embd, token_types, position_embd,
@@ -135,29 +137,37 @@ from ..quant.tensor import QuantizedTensor
 from .gguf_blocks import GGUF_BLOCK_TYPES, encode_blocks, gguf_block_type
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "Phi3ForCausalLM": "phi3",
                  "BertModel": "bert"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "phi3": "Phi3ForCausalLM",
                 "bert": "BertModel"}
 # the decoders: Llama's blocks (RMSNorm, rotary attention with grouped keys and values, SwiGLU);
 # Qwen2 adds biases to q/k/v, Qwen3 RMSNorms of q and k per head; Gemma 3 (text) q/k norms, norms
 # after attention and after the MLP, GELU (tanh), scaled embeddings and sliding-window layers; Phi-3
 # Llama's blocks with q/k/v in one matrix (attn_qkv) and gate/up in one (ffn_up, 2 x ffn rows)
-DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
-            "Phi3ForCausalLM")
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM", "Phi3ForCausalLM")
+# Gemma 2 and 3: (1 + weight) norms, post norms, GELU (tanh), scaled embeddings, sliding windows;
+# Gemma 2 also caps attention scores and logits (tanh), has no q/k norms and one RoPE base
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# llama.cpp takes the query scale 1/sqrt(hidden / heads) for this many layers (the 27B models)
+_GEMMA_27B_LAYERS = {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}
 FUSED = ("Phi3ForCausalLM",)
 # per block, the tensors each decoder's GGUF must have besides Llama's
 _EXTRA_PER_BLOCK = {"Qwen2ForCausalLM": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
                     "Qwen3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight"),
                     "Gemma3ForCausalLM": ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
-                                          "post_ffw_norm.weight")}
+                                          "post_ffw_norm.weight"),
+                    "Gemma2ForCausalLM": ("post_attention_norm.weight", "post_ffw_norm.weight")}
 # Gemma's RMSNorms multiply by (1 + weight); llama.cpp's converter stores 1 + weight (in float32
 # here, as transformers computes it), so llama.cpp multiplies by the stored value
-NORM_SHIFTED = ("gemma3",)
+NORM_SHIFTED = ("gemma2", "gemma3")
 # the transformers config class of each model_type the GGUF reader builds
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config"}
+                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config"}
 
 
 def _decoder(arch: str) -> bool:
@@ -1052,9 +1062,9 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type, voc
     w.add_feed_forward_length(d["intermediate_size"])
     w.add_head_count(d["num_attention_heads"])
     if _decoder(arch):
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = arch in GEMMAS
         w.add_head_count_kv(d["num_key_value_heads"])
-        theta, factor = _rope(cfg, "full_attention" if gemma else None)
+        theta, factor = _rope(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None)
         w.add_rope_freq_base(theta)
         if factor is not None:  # llama.cpp: rope.scaling.type linear, freq_scale = 1 / factor
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -1065,7 +1075,7 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type, voc
             w.add_value_length(d["head_dim"])
         w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
         if gemma:
-            _add_gemma3_metadata(w, cfg, d)
+            _add_gemma_metadata(w, cfg, arch)
     else:
         w.add_layer_norm_eps(float(cfg.get("layer_norm_eps", 1e-12)))
         w.add_causal_attention(False)
@@ -1075,13 +1085,14 @@ def _add_metadata(w, cfg: dict, arch: str, entries: list[_Entry], file_type, voc
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def gemma3_layer_types(cfg: dict) -> list[str]:
-    """A Gemma 3 config's kind of each layer ("sliding_attention" or "full_attention"): its
-    layer_types, or transformers' default (every sixth layer full); a ValueError if malformed."""
+def gemma_layer_types(cfg: dict, arch: str = "Gemma3ForCausalLM") -> list[str]:
+    """A Gemma config's kind of each layer ("sliding_attention" or "full_attention"): its
+    layer_types, or transformers' default (every sixth layer full for Gemma 3, every other one for
+    Gemma 2); a ValueError if malformed."""
     n = _need(cfg, "num_hidden_layers")
     types = cfg.get("layer_types")
     if types is None:
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 2)
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ValueError(f"sliding_window_pattern must be a positive int, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
@@ -1091,10 +1102,10 @@ def gemma3_layer_types(cfg: dict) -> list[str]:
     return list(types)
 
 
-def gemma3_attention_scalar(cfg: dict, d: dict) -> int:
-    """The query_pre_attn_scalar llama.cpp's gemma3 computes with: the head size, but
-    hidden_size / heads for the 62-layer (27B) model, as Google's reference does."""
-    if d["num_hidden_layers"] == 62:  # llama.cpp: float(n_embd / n_head), an integer division
+def gemma_attention_scalar(d: dict, arch: str = "Gemma3ForCausalLM") -> int:
+    """The query_pre_attn_scalar llama.cpp's gemma2 / gemma3 compute with: the head size, but
+    hidden_size / heads for the 27B models (46 and 62 layers), as Google's reference does."""
+    if d["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:  # llama.cpp: float(n_embd / n_head), an integer division
         return d["hidden_size"] // d["num_attention_heads"]
     return int(d["head_dim"])
 
@@ -1109,46 +1120,65 @@ def _swa_pattern(types: list[str]):
     return sliding
 
 
-def _add_gemma3_metadata(w, cfg: dict, d: dict) -> None:
-    types = gemma3_layer_types(cfg)
+def _add_gemma_metadata(w, cfg: dict, arch: str) -> None:
+    types = gemma_layer_types(cfg, arch)
     if "sliding_attention" in types:
         w.add_sliding_window(int(cfg["sliding_window"]))
+    if "sliding_attention" in types or arch == "Gemma2ForCausalLM":  # gemma2 slides every other layer unless told
         w.add_sliding_window_pattern(_swa_pattern(types))
+    if "sliding_attention" in types and arch == "Gemma3ForCausalLM":
         w.add_rope_freq_base_swa(_rope(cfg, "sliding_attention")[0])
+    if arch == "Gemma2ForCausalLM":
+        w.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
     cap = cfg.get("final_logit_softcapping")
     if cap is not None:
         w.add_final_logit_softcapping(float(cap))
 
 
-def _check_gemma3(cfg: dict, d: dict) -> None:
-    """What llama.cpp's gemma3 cannot compute as transformers' Gemma3ForCausalLM does: a ValueError."""
-    types = gemma3_layer_types(cfg)
+def _positive_cap(cfg: dict, key: str, required: bool) -> None:
+    cap = cfg.get(key)
+    if cap is None and not required:
+        return
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"{key} must be a finite number > 0{'' if required else ' or None'}, got {cap!r}"
+                         + (" (llama.cpp's gemma2 always caps: 50 and 30 where the file says nothing)"
+                            if required else ""))
+
+
+def _check_gemma(cfg: dict, d: dict, arch: str) -> None:
+    """What llama.cpp's gemma2 / gemma3 cannot compute as transformers' Gemma2ForCausalLM /
+    Gemma3ForCausalLM does: a ValueError."""
+    name = ARCHITECTURES[arch]
+    types = gemma_layer_types(cfg, arch)
     if cfg.get("attention_bias"):
-        raise ValueError("attention_bias: llama.cpp's gemma3 has no attention biases")
-    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attention_bias: llama.cpp's {name} has no attention biases")
+    if arch == "Gemma3ForCausalLM" and cfg.get("attn_logit_softcapping") is not None:
         raise ValueError("attn_logit_softcapping: llama.cpp's gemma3 does not cap attention scores")
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention: llama.cpp's gemma3 is causal")
-    cap = cfg.get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
-                            or cap <= 0):
-        raise ValueError(f"final_logit_softcapping must be a finite number > 0 or None, got {cap!r}")
-    scalar, want = cfg.get("query_pre_attn_scalar", 256), gemma3_attention_scalar(cfg, d)
+        raise ValueError(f"use_bidirectional_attention: llama.cpp's {name} is causal")
+    if arch == "Gemma2ForCausalLM":
+        _positive_cap(cfg, "attn_logit_softcapping", True)
+        if not d["tied"]:
+            raise ValueError("tie_word_embeddings False: llama.cpp's gemma2 reads its output layer from the token "
+                             "embedding")
+    _positive_cap(cfg, "final_logit_softcapping", arch == "Gemma2ForCausalLM")
+    scalar, want = cfg.get("query_pre_attn_scalar", 256), gemma_attention_scalar(d, arch)
     if scalar != want:
-        raise ValueError(f"query_pre_attn_scalar {scalar!r}: llama.cpp's gemma3 scales queries by 1/sqrt({want:g}) "
+        raise ValueError(f"query_pre_attn_scalar {scalar!r}: llama.cpp's {name} scales queries by 1/sqrt({want:g}) "
                          f"for this model ({d['num_hidden_layers']} layers, head_dim {d['head_dim']})")
+    if "sliding_attention" in types and arch == "Gemma3ForCausalLM":
+        if _rope(cfg, "sliding_attention")[1] is not None:
+            raise ValueError("linear RoPE scaling of the sliding layers: llama.cpp's gemma3 scales only the full "
+                             "attention layers' RoPE")
     if "sliding_attention" in types:
         window = cfg.get("sliding_window")
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2 ** 31:
             raise ValueError(f"sliding_window must be an int from 1 to 2^31 - 1 for the sliding layers, got {window!r}")
-        if _rope(cfg, "sliding_attention")[1] is not None:
-            raise ValueError("linear RoPE scaling of the sliding layers: llama.cpp's gemma3 scales only the full "
-                             "attention layers' RoPE")
 
 
 def _check_config(cfg: dict, arch: str) -> None:
     d = _dims(cfg, arch)
-    if arch == "Gemma3ForCausalLM":
+    if arch in GEMMAS:
         act, want, key = cfg.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh", "hidden_activation"
     else:
         act, want, key = cfg.get("hidden_act", "silu" if _decoder(arch) else "gelu"), \
@@ -1156,8 +1186,8 @@ def _check_config(cfg: dict, arch: str) -> None:
     if act != want:
         raise ValueError(f"llama.cpp's {ARCHITECTURES[arch]} architecture computes {want}; this config has "
                          f"{key} {act!r}")
-    if arch == "Gemma3ForCausalLM":
-        _check_gemma3(cfg, d)
+    if arch in GEMMAS:
+        _check_gemma(cfg, d, arch)
     if _decoder(arch):
         _rope(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None)
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):

@@ -24,13 +24,15 @@ llama_config() checks every llama key that changes the numbers, as llama.cpp rea
   default when the key is absent) with `rope.scaling.factor` (or the older `rope.scale_linear`)
   becomes transformers' linear rope_scaling; "none" turns scaling off; other types (yarn,
   longrope) are refused;
-- the architectures are llama, qwen2, qwen3, phi3 and gemma3 (their keys under their own prefix).
+- the architectures are llama, qwen2, qwen3, phi3, gemma2 and gemma3 (keys under their own prefix).
   phi3: attn_qkv's rows (heads + 2 kv heads) x the head size, ffn_up's 2 x feed_forward_length;
   its attention.sliding_window is read and left off, as llama.cpp turns it off. gemma3:
   attention.sliding_window (0: none), attention.sliding_window_pattern (n: every n-th layer full,
   0 all sliding, 6 where absent; or one bool per layer), rope.freq_base_swa (10000 where absent),
-  final_logit_softcapping; its norms are read as the stored value - 1 (Gemma multiplies by
-  1 + weight) and its queries scaled as llama.cpp scales them;
+  final_logit_softcapping; gemma2 as gemma3 without q/k norms, with attn_logit_softcapping, one
+  RoPE base and llama.cpp's defaults (window 4096, every other layer sliding, caps 50 and 30);
+  Gemma's norms are read as the stored value - 1 (it multiplies by 1 + weight) and its queries
+  scaled as llama.cpp scales them;
 - any other key under the architecture's prefix is refused unless it is one known not to change
   this model's numbers (expert counts of 0, the original context length of linear scaling, ...):
   a key fewbits does not apply is never silently ignored;
@@ -56,7 +58,7 @@ import torch
 
 from ..quant.tensor import QuantizedTensor, stored_problem
 from .gguf_blocks import GGUF_BLOCK_TYPES, decode_blocks
-from .gguf_file import (ARCHITECTURES, CONFIG_CLASSES, READ_CLASSES, gemma3_attention_scalar, norm_shifted,
+from .gguf_file import (ARCHITECTURES, CONFIG_CLASSES, READ_CLASSES, gemma_attention_scalar, norm_shifted,
                         rotary_permutation, rows_permuted)
 from .gguf_header import INTEGER_TYPES, GGUFHeader, Keys, check_vocabulary, read_header, shown
 from .safetensors_format import FileFormatError
@@ -72,6 +74,8 @@ _READ = {"block_count", "context_length", "embedding_length", "feed_forward_leng
 # keys only some architectures read (besides _READ)
 _READ_ALSO = {"gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
                          "final_logit_softcapping"},
+              "gemma2": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+                         "attn_logit_softcapping", "final_logit_softcapping"},
               # llama.cpp turns Phi-3's sliding window off: read, and left off in the config too
               "phi3": {"attention.sliding_window"}}
 _NEUTRAL = {"rope.scaling.original_context_length": None, "rope.scaling.finetuned": None,
@@ -117,24 +121,24 @@ def _check_other_keys(k: Keys) -> None:
             k.fail(f"{full} = {shown(v.value)}: fewbits runs dense models only ({key} {_NEUTRAL[key]})")
 
 
-def _gemma3_config(k: Keys, cfg: dict) -> None:
-    """Gemma 3's fields, as llama.cpp's gemma3 computes: sliding-window layers by
-    attention.sliding_window_pattern (one bool per layer, or n: every n-th layer full; 6 where
-    absent), their RoPE base rope.freq_base_swa (10000 where absent), queries scaled by
-    1/sqrt(head size) (hidden / heads at 62 layers), GELU (tanh), the final logits soft-capped by
-    final_logit_softcapping where given."""
+def _gemma_config(k: Keys, cfg: dict, gguf_arch: str) -> None:
+    """Gemma 2's and 3's fields, as llama.cpp's gemma2 / gemma3 compute: sliding-window layers by
+    attention.sliding_window_pattern (one bool per layer, or n: every n-th layer full; 2 for
+    gemma2 and 6 for gemma3 where absent) over attention.sliding_window positions (gemma2: 4096
+    where absent; gemma3: none where absent); gemma3's sliding layers on their own RoPE base
+    rope.freq_base_swa (10000 where absent; gemma2 has one base, so a different one is refused);
+    queries scaled by 1/sqrt(head size) (hidden / heads for the 27B models); GELU (tanh); gemma2's
+    attention scores and logits capped by attn_logit_softcapping / final_logit_softcapping (50
+    and 30 where absent), gemma3's logits where final_logit_softcapping is given."""
     p, n = k.prefix, cfg["num_hidden_layers"]
-    window = k.int("attention.sliding_window", 0, minimum=0)
+    gemma2 = gguf_arch == "gemma2"
+    window = k.int("attention.sliding_window", 4096 if gemma2 else 0, minimum=0)
     if window >= 2 ** 31:  # llama.cpp reads a u32; transformers' caches take an int64
         k.fail(f"{p}attention.sliding_window {window} is beyond any context (2^31 positions)")
-    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
-    if "rope_scaling" in cfg:
-        full.update(cfg.pop("rope_scaling"))
-    sliding = {"rope_type": "default", "rope_theta": k.float("rope.freq_base_swa", 10000.0)}
     if window > 0:
         v = k.h.metadata.get(p + "attention.sliding_window_pattern")
-        if v is None or v.type in INTEGER_TYPES:
-            pattern = k.int("attention.sliding_window_pattern", 6, minimum=0)  # llama.cpp: 0, every layer sliding
+        if v is None or v.type in INTEGER_TYPES:  # llama.cpp: 0, every layer sliding
+            pattern = k.int("attention.sliding_window_pattern", 2 if gemma2 else 6, minimum=0)
             types = ["sliding_attention" if pattern == 0 or i % pattern < pattern - 1 else "full_attention"
                      for i in range(n)]
         elif v.type == "array[bool]" and len(v.value) == n:
@@ -145,16 +149,29 @@ def _gemma3_config(k: Keys, cfg: dict) -> None:
         cfg["sliding_window"] = window
     else:
         types = ["full_attention"] * n
+    arch = "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"
+    cfg.update(layer_types=types, hidden_activation="gelu_pytorch_tanh",
+               query_pre_attn_scalar=gemma_attention_scalar(cfg, arch))
+    if gemma2:
+        swa = k.float("rope.freq_base_swa", cfg["rope_theta"])
+        if swa != cfg["rope_theta"]:
+            k.fail(f"{p}rope.freq_base_swa {swa} differs from rope.freq_base {cfg['rope_theta']}: transformers' "
+                   "Gemma 2 has one RoPE base")
+        cfg.update(model_type="gemma2", attn_logit_softcapping=k.float("attn_logit_softcapping", 50.0),
+                   final_logit_softcapping=k.float("final_logit_softcapping", 30.0))
+        return
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if "rope_scaling" in cfg:
+        full.update(cfg.pop("rope_scaling"))
+    sliding = {"rope_type": "default", "rope_theta": k.float("rope.freq_base_swa", 10000.0)}
     cap = k.float("final_logit_softcapping", 0.0, zero_ok=True)
-    cfg.update(model_type="gemma3_text", layer_types=types, hidden_activation="gelu_pytorch_tanh",
-               query_pre_attn_scalar=gemma3_attention_scalar(cfg, cfg),
-               rope_parameters={"full_attention": full, "sliding_attention": sliding},
+    cfg.update(model_type="gemma3_text", rope_parameters={"full_attention": full, "sliding_attention": sliding},
                final_logit_softcapping=cap if cap > 0 else None)
 
 
 def llama_config(header: GGUFHeader) -> dict:
-    """The transformers config fields (LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config or
-    Gemma3TextConfig) of a validated GGUF header (see the module docstring); a FileFormatError
+    """The transformers config fields (LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config,
+    Gemma2Config or Gemma3TextConfig) of a validated GGUF header (see the module docstring); a FileFormatError
     naming the file and the key for anything fewbits would not run as llama.cpp."""
     arch = header.metadata.get("general.architecture")
     if arch is None or arch.type != "string":
@@ -223,8 +240,8 @@ def llama_config(header: GGUFHeader) -> dict:
     scaling = _rope_scaling(k)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
-    if arch.value == "gemma3":
-        _gemma3_config(k, cfg)
+    if arch.value in ("gemma2", "gemma3"):
+        _gemma_config(k, cfg, arch.value)
     if arch.value == "phi3":  # its defaults (pad 32000, ...) would lie outside a smaller vocabulary
         cfg.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     cfg.update(check_vocabulary(header, rows))

@@ -10,7 +10,7 @@ per generate(). What it leaves out is transformers' per-layer machinery: the Cac
 plumbing, which cost a small model more than its layers' arithmetic (SmolLM2-135M int4 at one
 thread on a Xeon: ~18 ms a token through transformers, of which ~8 ms are the linear layers).
 
-Exactness: every step is the operation transformers' Llama / Mistral / Qwen / Phi-3 / Gemma 3 modules compute with
+Exactness: every step is the operation transformers' Llama / Mistral / Qwen / Phi-3 / Gemma modules compute with
 the "sdpa" attention implementation, in the same order and dtypes (RMSNorm in float32 then the
 weight's product, rotate-half RoPE from the model's own rotary module, scaled_dot_product_attention
 with enable_gqa, act(gate) * up), so the logits of each step equal `model(...)`'s bit for bit
@@ -33,9 +33,11 @@ LlamaForCausalLM (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj and act_fn,
 input_layernorm, post_attention_layernorm, model.norm, model.rotary_emb, lm_head; Qwen3's
 self_attn.q_norm / k_norm, an RMSNorm of each head of q and k before the rotation; Phi-3's fused
 self_attn.qkv_proj and mlp.gate_up_proj; Gemma 3's (1 + weight) norms, post-attention and
-post-MLP norms, a RoPE base per kind of layer, sliding-window layers and final soft-capping), a
+post-MLP norms, a RoPE base per kind of layer, sliding-window layers and final soft-capping;
+Gemma 2's the same with one RoPE base and capped attention scores, computed as transformers'
+eager attention computes them), a
 rotary embedding whose frequencies do not depend on the sequence length, and no sliding window
-within the generated length but Gemma 3's (which it applies). Anything else raises ValueError
+within the generated length but Gemma's (which it applies). Anything else raises ValueError
 naming what is missing, before any work. The native step runs them all (Gemma 3's GELU as
 x / (1 + e^(-2y)), its norms' 1 + weight precomputed in float32, Phi-3's fused projections one
 kernel each).
@@ -68,11 +70,11 @@ PATHS = ("auto", "native", "torch")
 _SILU = ("SiLUActivation", "SiLU")
 _GELU_TANH = ("GELUTanh",)  # transformers' gelu_pytorch_tanh (Gemma 3)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # transformers' RMSNorm classes whose forward is the one written out in _rms_norm
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
 # Gemma's: the product with (1 + weight) in float32, then the input's dtype (_gemma_rms_norm)
-_GEMMA_NORMS = ("Gemma3RMSNorm",)
+_GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")
 # rotary embeddings whose cos/sin for a position do not depend on how long the sequence is
 # ("dynamic" and "longrope" rescale their frequencies with the length)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -150,6 +152,35 @@ def _sliding_attention(q, k, v, start: int, window: int, scaling: float) -> torc
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return a.reshape(1, heads, t, v.shape[-1])
+
+
+def _eager_attention(q, k, v, start: int, window: int | None, scaling: float, cap: float) -> torch.Tensor:
+    """transformers' eager attention with capped scores (Gemma 2), op for op: the key/value heads
+    repeated, q k^T * scaling, / cap, tanh, * cap, + the mask transformers makes (0, or float32's
+    lowest where a key is after the query or, for a sliding layer, `window` or more before it),
+    softmax in float32, the product with v. One query sees the keys a sliding layer's cache holds
+    (the last `window`) and no mask (transformers' is all zeros then); several, every key."""
+    heads, t, end = q.shape[1], q.shape[2], k.shape[2]
+    groups = heads // k.shape[1]
+    mask = None
+    if t == 1:
+        if window is not None and end > window:
+            k, v = k[:, :, end - window:], v[:, :, end - window:]
+    else:
+        qpos = torch.arange(start, start + t, device=q.device)[:, None]
+        kpos = torch.arange(end, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    w = torch.tanh(w / cap) * cap
+    if mask is not None:
+        w = w + mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
 
 
 def _token_ids(stop) -> list[int]:
@@ -390,7 +421,7 @@ class LlamaDecoder:
         kind = getattr(config, "model_type", None)
         if kind not in SUPPORTED:
             raise ValueError(f"LlamaDecoder runs {', '.join(SUPPORTED)} models; this one's model_type is {kind!r}")
-        gemma = kind == "gemma3_text"
+        gemma = kind in ("gemma2", "gemma3_text")
         norms = _GEMMA_NORMS if gemma else _RMS_NORMS
         try:
             base, head = model.model, model.lm_head
@@ -428,8 +459,9 @@ class LlamaDecoder:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         extra = None
         if gemma:
-            if getattr(config, "attn_logit_softcapping", None) is not None:
-                raise ValueError("LlamaDecoder does not cap attention scores (attn_logit_softcapping)")
+            cap = getattr(config, "attn_logit_softcapping", None)
+            if kind == "gemma3_text" and cap is not None:  # transformers' Gemma 3 sdpa attention refuses it
+                raise ValueError("LlamaDecoder caps attention scores for Gemma 2 only (attn_logit_softcapping)")
             if getattr(config, "use_bidirectional_attention", False):
                 raise ValueError("LlamaDecoder runs causal attention; this model's is bidirectional")
             window = getattr(config, "sliding_window", None)
@@ -437,14 +469,16 @@ class LlamaDecoder:
                     isinstance(window, bool) or not isinstance(window, int) or window < 1):
                 raise ValueError(f"sliding layers need a sliding_window of at least 1 position; this model's is {window!r}")
             extra = {"post": post, "types": list(config.layer_types), "window": window,
-                     "softcap": getattr(config, "final_logit_softcapping", None)}
+                     "softcap": getattr(config, "final_logit_softcapping", None),
+                     # Gemma 2: transformers' eager attention with capped scores, one RoPE base
+                     "attn_cap": cap if kind == "gemma2" else None, "rope_per_kind": kind == "gemma3_text"}
         return embed, parts, qk, norm, rotary, head, heads, kv_heads, attn.head_dim, attn.scaling, extra
 
     def _window(self) -> int | None:
         """The sliding window that applies to some layer and that this decoder does not apply
         (Gemma 3's it does), or None."""
         config = self.model.config
-        if config.model_type == "gemma3_text":
+        if config.model_type in ("gemma2", "gemma3_text"):
             return None
         window = getattr(config, "sliding_window", None)
         if window is None:
@@ -493,7 +527,7 @@ class LlamaDecoder:
             capacity = self._k.shape[3]
             positions = torch.arange(capacity, device=device).unsqueeze(0)
             probe = torch.empty(0, dtype=dtype, device=device)
-            kinds = sorted(set(gemma["types"])) if gemma else [None]
+            kinds = sorted(set(gemma["types"])) if gemma and gemma["rope_per_kind"] else [None]
             rope = {}  # {kind of layer: (cos, sin)} (Gemma 3: a RoPE base per kind), [capacity, head_dim]
             for kind in kinds:
                 cos, sin = rotary(probe, positions) if kind is None else rotary(probe, positions, kind)
@@ -501,9 +535,11 @@ class LlamaDecoder:
         k_cache, v_cache = self._k, self._v
         rms = _norm_of(norm)
         types = gemma["types"] if gemma else [None] * len(parts)
+        rope_of = types if gemma and gemma["rope_per_kind"] else [None] * len(parts)
         window = gemma["window"] if gemma else None
         post = gemma["post"] if gemma else None
         softcap = gemma["softcap"] if gemma else None
+        attn_cap = gemma["attn_cap"] if gemma else None
 
         def forward(ids, position_ids, cache):
             start = int(position_ids[0, 0])
@@ -527,13 +563,16 @@ class LlamaDecoder:
                 if qk_norms[i] is not None:  # Qwen3, Gemma 3: each head normalized, then rotated
                     q, k = rms(q, qk_norms[i][0]), rms(k, qk_norms[i][1])
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
-                c, s = cs[types[i]]
+                c, s = cs[rope_of[i]]
                 q = q * c + _rotate_half(q) * s
                 k = k * c + _rotate_half(k) * s
                 k_all, v_all = k_cache[i], v_cache[i]
                 k_all[:, :, start:end] = k
                 v_all[:, :, start:end] = v
-                if types[i] == "sliding_attention" and end >= window:  # transformers masks from there on
+                if attn_cap is not None:  # Gemma 2
+                    a = _eager_attention(q, k_all[:, :, :end], v_all[:, :, :end], start,
+                                         window if types[i] == "sliding_attention" else None, scaling, attn_cap)
+                elif types[i] == "sliding_attention" and end >= window:  # transformers masks from there on
                     a = _sliding_attention(q, k_all[:, :, :end], v_all[:, :, :end], start, window, scaling)
                 else:
                     a = F.scaled_dot_product_attention(q, k_all[:, :, :end], v_all[:, :, :end], scale=scaling,
@@ -633,7 +672,10 @@ class LlamaDecoder:
                 norms += [("post1", "eps_p1", gemma["post"][i][0]), ("post2", "eps_p2", gemma["post"][i][1])]
                 if gemma["types"][i] == "sliding_attention":
                     spec["window"] = int(gemma["window"])
-                spec["rope"] = gemma["types"][i]  # its cos / sin, set once they are computed
+                if gemma["rope_per_kind"]:
+                    spec["rope"] = gemma["types"][i]  # its cos / sin, set once they are computed
+                if gemma["attn_cap"] is not None:
+                    spec["softcap"] = float(gemma["attn_cap"])
             for key, eps, n in norms:
                 got = _native_norm(n)
                 if got is None:

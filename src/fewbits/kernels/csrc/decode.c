@@ -1,7 +1,8 @@
 /* One decode step of a Llama-architecture model in one C call: every layer's RMSNorms, rotary
  * embedding (after Qwen3's per-head q/k RMSNorms where the layer has them), KV-cache write,
  * one-query attention, SiLU or GELU (tanh) gate and residuals (and, per layer where given, Gemma
- * 3's norms of the attention's and the MLP's outputs, a sliding window, a rotary table of its own;
+ * 2/3's norms of the attention's and the MLP's outputs, a sliding window, a rotary table of its own,
+ * Gemma 2's capped attention scores;
  * Phi-3's fused q/k/v and gate/up kernels), with the seven linear layers of each run by their
  * own one-row kernels (lut4.c's fb_lut4_row, introw.c's fb_introw_row, w4a8.c's fb_w4a8_row,
  * int8w.c's fb_int8w_row, int8mm.c's fb_w8a8_amx_row: all int32 f(const void *args, const float
@@ -43,6 +44,7 @@ typedef struct {
     int32_t act;                /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
     int64_t window;             /* > 0: attend over the last `window` positions only (sliding window) */
     const float *cos, *sin;     /* [capacity, head_dim] this layer's rotary embedding, or NULL: the model's */
+    float softcap;              /* > 0: attention scores capped as softcap * tanh(score / softcap) (Gemma 2) */
 } DecLayer;
 /* Fused projections (Phi-3): k.fn and v.fn NULL, q's kernel writes q, k, v one after the other
  * (the model's q, k, v scratch laid out so); up.fn NULL, gate's kernel writes gate then up (g, u
@@ -238,7 +240,8 @@ static void weighted_sum(const float *w, const float *v, int64_t len, int64_t hd
  * heads of one kv head go together, each k and v row read once for all of them. scores: room for
  * heads * len floats. */
 void fb_decode_attend(const float *q, const float *k, const float *v, int64_t heads, int64_t kv_heads,
-                      int64_t capacity, int64_t hd, int64_t len, float scaling, float *scores, float *out) {
+                      int64_t capacity, int64_t hd, int64_t len, float scaling, float softcap, float *scores,
+                      float *out) {
     const int64_t group = heads / kv_heads;
     /* the kv heads over torch's threads (each head's result is the same whoever computes it) */
 #pragma omp parallel for schedule(static) if (kv_heads > 1 && heads * len * hd >= 32768)
@@ -249,6 +252,8 @@ void fb_decode_attend(const float *q, const float *k, const float *v, int64_t he
         float *sg = scores + g * group * len;
         for (int64_t p = 0; p < len; p++)
             for (int64_t i = 0; i < group; i++) sg[i * len + p] = dot(qg + i * hd, kg + p * hd, hd) * scaling;
+        if (softcap > 0) /* Gemma 2: scores / cap, tanh, * cap, as transformers' eager attention */
+            for (int64_t j = 0; j < group * len; j++) sg[j] = tanhf(sg[j] / softcap) * softcap;
         for (int64_t i = 0; i < group; i++) {
             const float inv = softmax_in_place(sg + i * len, len);
             weighted_sum(sg + i * len, vg, len, hd, inv, og + i * hd);
@@ -317,7 +322,7 @@ int32_t fb_decode_step(DecModel *m, float *h, int64_t pos) {
         }
         const int64_t first = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
         fb_decode_attend(m->q, kc + first * hd, vc + first * hd, H, KVH, P, hd, pos + 1 - first, m->scaling,
-                         m->scores, m->att);
+                         L->softcap, m->scores, m->att);
         RUN(o, 3, m->att, m->o);
         if (L->post1) fb_decode_rms_norm(m->o, L->post1, L->eps_p1, d, m->o);
         for (int64_t i = 0; i < d; i++) h[i] += m->o[i];

@@ -18,7 +18,7 @@ def declare_decode(lib: ctypes.CDLL) -> None:
     lib.fb_decode_rms_norm.restype = None
     lib.fb_decode_rope.argtypes = [p, i64, i64, p, p]
     lib.fb_decode_rope.restype = None
-    lib.fb_decode_attend.argtypes = [p, p, p, i64, i64, i64, i64, i64, f32, p, p]
+    lib.fb_decode_attend.argtypes = [p, p, p, i64, i64, i64, i64, i64, f32, f32, p, p]
     lib.fb_decode_attend.restype = None
     lib.fb_decode_silu_mul.argtypes = [p, p, i64]
     lib.fb_decode_silu_mul.restype = None
@@ -67,7 +67,8 @@ class _DecLayer(ctypes.Structure):
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float),
         ("post1", ctypes.c_void_p), ("post2", ctypes.c_void_p), ("eps_p1", ctypes.c_float), ("eps_p2", ctypes.c_float),
-        ("act", ctypes.c_int32), ("window", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+        ("act", ctypes.c_int32), ("window", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("softcap", ctypes.c_float)]
 ACTIVATIONS = ("silu", "gelu_tanh")  # decode.c's act codes 0, 1
 
 
@@ -99,7 +100,8 @@ class DecodeStep:
 
     Optional per layer: post1, post2 with eps_p1, eps_p2 (Gemma 3's norms of the attention's and
     the MLP's outputs), act ("silu", the default, or "gelu_tanh"), window (attend over the last
-    `window` positions; 0 or absent: all), cos / sin (this layer's rotary embedding). Fused
+    `window` positions; 0 or absent: all), cos / sin (this layer's rotary embedding), softcap
+    (Gemma 2: attention scores as softcap * tanh(score / softcap); 0 or absent: none). Fused
     projections (Phi-3): k and v None with q a kernel of q, k and v's rows, up None with gate one
     of gate's and up's -- in every layer or in none.
     """
@@ -171,6 +173,10 @@ class DecodeStep:
             if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 2 ** 62:
                 raise ValueError(f"layer {i}: window must be a non-negative int, got {window!r}")
             entry.window = window
+            softcap = spec.get("softcap") or 0.0
+            if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+                raise ValueError(f"layer {i}: softcap must be a finite number >= 0, got {softcap!r}")
+            entry.softcap = float(softcap)
             for k in ("cos", "sin"):
                 t = spec.get(k)
                 if t is not None:
