@@ -32,7 +32,7 @@ import numpy as np
 
 from .safetensors_format import FileFormatError
 
-__all__ = ["GGUFHeader", "GGUFTensorInfo", "GGUFValue", "read_header", "Keys", "check_vocabulary", "shown"]
+__all__ = ["GGUFHeader", "GGUFTensorInfo", "GGUFValue", "read_header"]
 
 _MAX_DIMS = 4
 _MAX_NAME = 64  # GGML_MAX_NAME: a tensor name is shorter

@@ -11,6 +11,13 @@ from ..train.optim import packed_kind
 from .architecture import Architecture, ModelSpec, Tensors, describe_model
 from .precision import Precision, _format_bytes, _state_bytes, resolve_precision
 
+
+def _bf16_matmul_float32_buffer() -> bool:
+    """measure.bf16_matmul_float32_buffer: whether this CPU's bf16 matmuls allocate a float32
+    output buffer (probed once; the import is here, as measure imports the training engine)."""
+    from .measure import bf16_matmul_float32_buffer
+    return bf16_matmul_float32_buffer()
+
 COMPONENTS = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "kv_cache",
               "workspace")
 MODES = ("inference", "training")
@@ -347,6 +354,12 @@ class _Context:
             mlp = T * (4 * a.hidden * f + 3 * a.intermediate * c)
             scored = T if self.logits == "all" else self.batch
             head = T * 3 * a.hidden * f + scored * a.vocab * c
+            matmul = p.compute_format if p.autocast else p.weight_format
+            if self.device == "cpu" and matmul == "bf16" and _bf16_matmul_float32_buffer():
+                # the busiest matmul's float32 output buffer (several rows), beside its bf16 output
+                rows, out = (scored, a.vocab) if head > mlp else (T, a.intermediate)
+                if rows > 1:
+                    parts["bf16_matmul_float32_output"] = rows * out * 4
             if head > mlp:
                 return head, kv, parts, "forward: lm head"
             return mlp, kv, parts, "forward: last MLP"

@@ -4,6 +4,7 @@ the precision the estimator predicts."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -38,6 +39,16 @@ def _allocator_bytes(held) -> int:
     """Bytes of the distinct storages of `held` as the CUDA caching allocator counts them
     (blocks of 512 bytes)."""
     return sum(-(-nbytes // 512) * 512 for nbytes in _storages(tuple(held)).values())
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_matmul_float32_buffer() -> bool:
+    """Whether this machine's CPU matmul of several bfloat16 rows allocates a float32 buffer of
+    its output beside the output (torch's oneDNN path on Xeons with AMX does; AMD EPYC's path
+    does not): a probe of one 16 x 64 by 64 x 64 product, measured once per process."""
+    a, w = torch.ones(16, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16)
+    _, m = measure_peak_memory(lambda: torch.nn.functional.linear(a, w), held=(a, w))
+    return m.increase >= 16 * 64 * (2 + 4)
 
 
 def measure_peak_memory(fn: Callable[[], Any], held: Iterable = (), device: str | torch.device = "cpu"):

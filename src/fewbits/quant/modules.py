@@ -593,4 +593,4 @@ def embedding_scale(embedding: nn.Module) -> float | None:
     return None if scale is None or float(scale) == 1.0 else float(scale)
 
 
-__all__ = ["QuantLinear", "QuantEmbedding", "KernelQuantizedTensor", "available_kernels", "KERNELS", "embedding_scale"]
+__all__ = ["QuantLinear", "QuantEmbedding", "KernelQuantizedTensor", "available_kernels", "KERNELS"]
