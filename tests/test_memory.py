@@ -403,7 +403,7 @@ def test_cli_errors(capsys, argv, message):
 def test_measuring_on_a_cpu_prints_no_profiler_lines(capfd):
     """torch's profiler (kineto) printed 'USDT: ... profiler_start/stop' on fd 2 at every
     measurement, into whatever command measured (not only the study)."""
-    from fewbits.memory.measure import measure_peak_memory
+    from fewbits.memory.peak import measure_peak_memory
 
     result, measured = measure_peak_memory(lambda: torch.randn(1000, 100) + 1)
     assert measured.peak >= 400_000 and result.shape == (1000, 100)

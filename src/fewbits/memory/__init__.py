@@ -54,7 +54,8 @@ from .architecture import (
 from .estimate import (
     COMPONENTS, DEFAULT_SEQ_LEN, DEVICES, MODES, OPTIMIZERS, RUNTIMES, MemoryEstimate, estimate_memory, format_bytes,
 )
-from .measure import MeasuredMemory, measure_inference, measure_peak_memory, measure_training_step
+from .measure import measure_inference, measure_training_step
+from .peak import MeasuredMemory, measure_peak_memory
 from .precision import Precision, resolve_precision
 from .storage import tensor_bytes
 

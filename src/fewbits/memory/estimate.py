@@ -13,9 +13,9 @@ from .precision import Precision, _format_bytes, _state_bytes, resolve_precision
 
 
 def _bf16_matmul_float32_buffer() -> bool:
-    """measure.bf16_matmul_float32_buffer: whether this CPU's bf16 matmuls allocate a float32
-    output buffer (probed once; the import is here, as measure imports the training engine)."""
-    from .measure import bf16_matmul_float32_buffer
+    """peak.bf16_matmul_float32_buffer: whether this CPU's bf16 matmuls allocate a float32
+    output buffer (probed once, when an estimate first needs it)."""
+    from .peak import bf16_matmul_float32_buffer
     return bf16_matmul_float32_buffer()
 
 COMPONENTS = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "kv_cache",
