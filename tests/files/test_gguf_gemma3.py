@@ -232,6 +232,7 @@ def test_a_sentencepiece_vocabulary_is_written_as_llama_cpps_converter_writes_it
              for i in range(n)]
     assert meta["tokenizer.ggml.token_type"] == [int(k) for k in kinds] + [int(T.UNUSED)] * (520 - n)
     assert meta["tokenizer.ggml.bos_token_id"] == 2 and meta["tokenizer.ggml.eos_token_id"] == 1
+    assert meta["tokenizer.ggml.unknown_token_id"] == 3  # the model's, which the config does not name
     assert meta["tokenizer.ggml.add_bos_token"] is True
     tok = transformers.AutoTokenizer.from_pretrained(out, gguf_file="g.gguf")
     for text in ("Hello world 123 \u00e9t\u00e9", "def f(x):\n    return x ** 2", "  two  spaces\tand a tab"):

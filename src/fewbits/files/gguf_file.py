@@ -865,6 +865,10 @@ def _spm_vocabulary(model_file: str, tok, vocab_size: int) -> _Vocab:
         v.scores.append(-1000.0)
     pieces = sp.EncodeAsPieces("a")
     v.add_space_prefix = bool(pieces) and pieces[0].startswith("\u2581")
+    # the model's own special ids, where the tokenizer's files and the config name none (llama.cpp
+    # would take id 0 as the unknown token)
+    v.special_ids = {k: i for k, i in (("unk", sp.unk_id()), ("bos", sp.bos_id()), ("eos", sp.eos_id()),
+                                       ("pad", sp.pad_id())) if 0 <= i < n}
     return v
 
 
@@ -886,7 +890,7 @@ def _special(v: _Vocab, tok, cfg: dict, vocab_size: int, directory: str | None =
     if v.model == "gpt2" and not special.merges:
         raise ValueError("the BPE tokenizer has no merges")
     v.merges = list(special.merges)
-    v.special_ids = dict(special.special_token_ids)
+    v.special_ids = {**v.special_ids, **special.special_token_ids}
     v.add_flags = dict(special.add_special_token)
     v.chat_template = special.chat_template
     if tok is None:
