@@ -31,10 +31,11 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=7, num_at
              rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
 
-def _model(tied=True, **overrides):
-    cfg = transformers.Gemma3TextConfig(**{**SMALL, "tie_word_embeddings": tied, **overrides})
+def _model(tied=True, family="Gemma3", **overrides):
+    config_cls = "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config"
+    cfg = getattr(transformers, config_cls)(**{**SMALL, "tie_word_embeddings": tied, **overrides})
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # norms away from their initial 0, so that a lost or unshifted one shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -437,14 +438,7 @@ def test_real_gemma3_270m_runs_and_round_trips(gemma_270m, tmp_path):
 
 # --- Gemma 2 ----------------------------------------------------------------------------------
 def _gemma2(**overrides):
-    cfg = transformers.Gemma2Config(**{**{k: v for k, v in SMALL.items()}, "num_hidden_layers": 4, **overrides})
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
+    return _model(family="Gemma2", **{"num_hidden_layers": 4, **overrides})
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q5_k", None])

@@ -139,21 +139,26 @@ def smollm2_int4():
     return model
 
 
-def _gemma3(**overrides):
-    """A tiny Gemma 3: layers 0 and 1 sliding (a window of 6), layer 2 full, norms away from 0."""
+def _gemma(config_cls: str, model_cls: str, attention: str, **fields):
+    """A tiny Gemma of transformers' classes (3 layers, heads of 16, a window of 6) with the
+    attention implementation given, its norms away from 0 (so that a lost 1 + weight shows)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(**{**SMALL, "head_dim": 16, "query_pre_attn_scalar": 16,
-                                              "sliding_window": 6, "sliding_window_pattern": 3,
-                                              "num_hidden_layers": 3, **overrides})
-    config._attn_implementation = "sdpa"
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    config = getattr(transformers, config_cls)(**{**SMALL, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                                  "sliding_window": 6, "num_hidden_layers": 3, **fields})
+    config._attn_implementation = attention
+    model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
     return model
+
+
+def _gemma3(**overrides):
+    """A tiny Gemma 3: layers 0 and 1 sliding (a window of 6), layer 2 full."""
+    return _gemma("Gemma3TextConfig", "Gemma3ForCausalLM", "sdpa", **{"sliding_window_pattern": 3, **overrides})
 
 
 @pytest.mark.parametrize("prompt", [4, 5, 6, 10])  # the window of 6 filled during decode, at its end, in the prompt
@@ -204,19 +209,8 @@ def test_gemma3_quantized_bit_for_bit_and_natively(scheme, prompt):
 def _gemma2(**overrides):
     """A tiny Gemma 2 (transformers' eager attention, as Gemma 2 needs for its capped scores):
     layers 0 and 2 sliding (a window of 6), attention and logits capped low enough to matter."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(**{**SMALL, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
-                                          "num_hidden_layers": 3, "attn_logit_softcapping": 2.0,
-                                          "final_logit_softcapping": 3.0, **overrides})
-    config._attn_implementation = "eager"
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
+    return _gemma("Gemma2Config", "Gemma2ForCausalLM", "eager",
+                  **{"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, **overrides})
 
 
 @pytest.mark.parametrize("prompt", [4, 6, 10])
